@@ -1,0 +1,95 @@
+"""The engine-client interface the producer talks to, and the agent flow that turns a prompt into
+a trajectory (spec section 2: "dispatches to AgentFlow ... AgentFlow then interfaces with the
+inference engine").
+
+The HTTP client for SGLang-compatible servers lives in ``lightning_fasync.rollout``; this module
+only fixes the contract so the pipeline stays free of HTTP and model imports.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class SamplingParams:
+    """SGLang ``sampling_params`` fields the pipeline uses."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    sampling_seed: Optional[int] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.stop_token_ids:
+            d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.sampling_seed is not None:
+            d["sampling_seed"] = self.sampling_seed
+        return d
+
+
+@dataclass
+class GenerateRequest:
+    """One ``/generate`` call: token ids in, request id ``rid`` for abort."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class GenerateResult:
+    """What an engine returned for one request, in SGLang's terms.
+
+    ``finish_reason`` is SGLang's ``meta_info.finish_reason.type``: ``stop``, ``length`` or
+    ``abort``. ``weight_versions`` holds one version per output token (SGLang reports spans; the
+    client expands them).
+    """
+
+    rid: str
+    output_ids: list[int]
+    output_log_probs: list[float]
+    weight_versions: list[int]
+    finish_reason: str
+    prompt_tokens: int = 0
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineError(RuntimeError):
+    """An engine call failed after the client's retries."""
+
+
+class EngineClient(abc.ABC):
+    """What the producer needs from a rollout engine (or a router in front of several).
+
+    Implementations: ``lightning_fasync.rollout.client.SGLangClient`` (HTTP, SGLang native API,
+    also the embedded engine), the instant in-process engine of the control-plane benchmark, and
+    the simulator's virtual-time engine.
+    """
+
+    @abc.abstractmethod
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        """Generate; an aborted request returns the tokens it has with ``finish_reason='abort'``."""
+
+    @abc.abstractmethod
+    async def abort(self, rid: str) -> None:
+        """Abort one request (SGLang ``/abort_request`` with ``rid``)."""
+
+    @abc.abstractmethod
+    async def abort_all(self) -> None:
+        """Abort every running request on every worker (``/abort_request`` with ``abort_all``)."""
+
+    async def close(self) -> None:
+        """Release connections. Idempotent."""

@@ -1,0 +1,90 @@
+"""The event log and the ledger (DESIGN.md, "Observability").
+
+- Event log: one JSON object per line, keys ``t``, ``event`` (dispatch | complete | collect |
+  consume | pause | resume | sync), ``seq``, ``prompt``, ``R``, ``Q``, ``step``. A live run and the
+  simulator write the same format, so one timeline tool reads both.
+- Ledger: one line per consumed group and per recycled or dropped prompt, so exactly-once
+  consumption can be audited after a crash and resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Callable, Optional, TextIO
+
+EVENTS = ("dispatch", "complete", "collect", "consume", "pause", "resume", "sync")
+
+
+class _JsonlWriter:
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._fh: Optional[TextIO] = None
+        if path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fh = open(path, "a", buffering=1 << 16)
+
+    @property
+    def enabled(self) -> bool:
+        return self._fh is not None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._fh is None:
+            return
+        line = json.dumps(record, separators=(",", ":"))
+        with self._lock:
+            if self._fh is not None:
+                self._fh.write(line + "\n")
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.flush()
+                self._fh.close()
+                self._fh = None
+
+
+class EventLog(_JsonlWriter):
+    """JSONL event log; ``clock`` gives ``t`` (seconds; wall or virtual)."""
+
+    def __init__(self, path: Optional[str], clock: Callable[[], float]) -> None:
+        super().__init__(path)
+        self.clock = clock
+
+    def emit(self, event: str, *, seq: int = -1, prompt: Any = None, R: int = 0, Q: int = 0, step: int = 0, **extra: Any) -> None:
+        if self._fh is None:
+            return
+        record = {"t": round(self.clock(), 6), "event": event, "seq": seq, "prompt": None if prompt is None else str(prompt), "R": R, "Q": Q, "step": step}
+        if extra:
+            record.update(extra)
+        self.write(record)
+
+
+class Ledger(_JsonlWriter):
+    """JSONL ledger of what happened to each prompt: consume, recycle, drop."""
+
+    def record(self, kind: str, **fields: Any) -> None:
+        self.write({"kind": kind, **fields})
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Read a JSONL file, skipping a torn last line (a run killed mid-write)."""
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out

@@ -1,0 +1,126 @@
+"""Agent flows: how one prompt sample becomes one trajectory through an engine client.
+
+The producer calls ``flow.run(sample, index, seq)`` once per trajectory. The built-in
+:class:`SingleTurnFlow` sends one ``/generate`` request and scores the response; it also resumes
+recycled partial trajectories (prompt + tokens so far, ``max_new_tokens`` reduced by what the
+trajectory already has, per-token versions continuing).
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+from typing import Any, Awaitable, Callable, Optional, Union
+
+from lightning_fasync.pipeline.engine import EngineClient, GenerateRequest, GenerateResult, SamplingParams
+from lightning_fasync.types import PromptSample, Trajectory, TrajectoryStatus
+
+RewardFn = Callable[[PromptSample, Trajectory], Union[float, Awaitable[float]]]
+
+
+class AgentFlow(abc.ABC):
+    """Turns (prompt sample, sample index) into a terminal trajectory."""
+
+    @abc.abstractmethod
+    async def run(self, sample: PromptSample, index: int, seq: int) -> Trajectory:
+        """Return a trajectory with a terminal status; never raise for engine errors (mark failed)."""
+
+
+def continuation(sample: PromptSample, index: int, seq: int) -> Trajectory:
+    """The trajectory to continue: the recycled one (copied) or a fresh, empty one.
+
+    A recycled trajectory that failed is started again from nothing.
+    """
+    if sample.resume is not None and index < len(sample.resume):
+        prev = sample.resume[index]
+        if prev.status is not TrajectoryStatus.FAILED:
+            traj = copy.deepcopy(prev)
+            traj.seq = seq
+            traj.error = None
+            return traj
+    return Trajectory(prompt_id=sample.prompt_id, sample_index=index, prompt_ids=list(sample.input_ids), seq=seq)
+
+
+def resume_request(traj: Trajectory, sampling: SamplingParams, max_response_length: int, rid: str) -> Optional[GenerateRequest]:
+    """The ``/generate`` request that continues ``traj``, or None when it has no budget left.
+
+    The prompt is the original prompt plus the response so far; ``max_new_tokens`` is what remains
+    of ``max_response_length``.
+    """
+    remaining = max_response_length - len(traj.response_ids)
+    if remaining <= 0:
+        return None
+    # A shallow copy through __dict__: copy.copy is ~10x slower and this runs once per request.
+    params = object.__new__(SamplingParams)
+    params.__dict__.update(sampling.__dict__)
+    params.max_new_tokens = remaining
+    return GenerateRequest(rid=rid, input_ids=list(traj.prompt_ids) + list(traj.response_ids), sampling_params=params)
+
+
+def apply_result(traj: Trajectory, result: GenerateResult, max_response_length: int) -> None:
+    """Append an engine result to ``traj`` and set its status from SGLang's finish reason."""
+    traj.extend(result.output_ids, result.output_log_probs, result.weight_versions)
+    reason = result.finish_reason
+    if reason == "abort":
+        traj.status = TrajectoryStatus.CANCELLED
+    elif reason == "length" or len(traj.response_ids) >= max_response_length:
+        traj.status = TrajectoryStatus.TRUNCATED
+    elif reason == "stop":
+        traj.status = TrajectoryStatus.COMPLETED
+    else:
+        traj.status = TrajectoryStatus.FAILED
+        traj.error = f"unknown finish_reason {reason!r}"
+
+
+class SingleTurnFlow(AgentFlow):
+    """One engine call per trajectory, then a reward.
+
+    Arguments:
+        client: the engine client (one server, or a router in front of several).
+        sampling: sampling parameters; ``max_new_tokens`` is set per request.
+        max_response_length: ``rollout.max_response_length``.
+        reward_fn: ``(sample, trajectory) -> float`` (may be async); called for finished
+            trajectories only. An exception marks the trajectory failed.
+        rid_prefix: request ids are ``{rid_prefix}{seq}-{index}``, so an abort by prefix can target
+            one run.
+    """
+
+    def __init__(
+        self,
+        client: EngineClient,
+        sampling: SamplingParams,
+        max_response_length: int,
+        reward_fn: Optional[RewardFn] = None,
+        rid_prefix: str = "fa-",
+    ) -> None:
+        self.client = client
+        self.sampling = sampling
+        self.max_response_length = max_response_length
+        self.reward_fn = reward_fn
+        self.rid_prefix = rid_prefix
+
+    async def run(self, sample: PromptSample, index: int, seq: int) -> Trajectory:
+        traj = continuation(sample, index, seq)
+        if traj.status.finished:
+            return traj
+        request = resume_request(traj, self.sampling, self.max_response_length, f"{self.rid_prefix}{seq}-{index}")
+        if request is None:
+            traj.status = TrajectoryStatus.TRUNCATED
+        else:
+            try:
+                result = await self.client.generate(request)
+            except Exception as exc:  # engine errors become failed trajectories (group policy)
+                traj.status = TrajectoryStatus.FAILED
+                traj.error = f"{type(exc).__name__}: {exc}"
+                return traj
+            apply_result(traj, result, self.max_response_length)
+        if traj.status.finished and self.reward_fn is not None:
+            try:
+                reward: Any = self.reward_fn(sample, traj)
+                if hasattr(reward, "__await__"):
+                    reward = await reward
+                traj.reward = float(reward)
+            except Exception as exc:
+                traj.status = TrajectoryStatus.FAILED
+                traj.error = f"reward function raised {type(exc).__name__}: {exc}"
+        return traj

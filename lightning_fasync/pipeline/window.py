@@ -1,0 +1,172 @@
+"""Sliding-window strategies (spec section 3) and their registry.
+
+A strategy answers two questions, both counted in prompt groups:
+
+- ``dispatch_count(view)``: how many new groups may be dispatched now;
+- ``can_collect(seq, view)``: may the completed group with dispatch number ``seq`` leave TrajQueue
+  for the PipelineBuffer now.
+
+``view`` is a :class:`WindowView`, a snapshot of R, Q, C, B and the sequence numbers the spec
+defines. Strategies are small objects registered by name; a user adds one with
+:func:`register_window_strategy` from their own module and selects it with
+``fully_async.sliding_window`` (listing the module in ``fully_async.plugins``). See
+``docs/custom_window.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class WindowView:
+    """What a strategy may look at (spec section 3).
+
+    Attributes:
+        B: prompt groups per training step (``data_source.num_prompts_per_step``).
+        C: capacity, ``int(B * (1 + stale_steps))``.
+        R: groups dispatched but not yet collected by the collector (in flight, or complete and
+            waiting in TrajQueue).
+        Q: completed groups in the PipelineBuffer not yet consumed by the trainer.
+        next_seq: the sequence number the next dispatched group will get.
+        oldest_uncollected_seq: smallest seq among dispatched, not yet collected groups
+            (``next_seq`` when there is none).
+        min_uncompleted_seq: smallest seq among dispatched groups whose N trajectories have not
+            all arrived (``next_seq`` when there is none).
+    """
+
+    B: int
+    C: int
+    R: int
+    Q: int
+    next_seq: int
+    oldest_uncollected_seq: int
+    min_uncompleted_seq: int
+
+
+@runtime_checkable
+class WindowStrategy(Protocol):
+    """The two questions a sliding-window strategy answers (spec section 3)."""
+
+    def dispatch_count(self, view: WindowView) -> int:
+        """Number of groups that may be dispatched now (>= 0)."""
+        ...
+
+    def can_collect(self, seq: int, view: WindowView) -> bool:
+        """Whether the completed group ``seq`` may enter the PipelineBuffer now."""
+        ...
+
+    def reset(self) -> None:
+        """Forget per-step state; called by ``pause()`` after TrajQueue is cleared."""
+        ...
+
+
+class NoWindow:
+    """``no-window``: only total capacity, ``dispatch_count = max(0, C - R - Q)``; any completed
+    group is collected (spec 3.1)."""
+
+    def dispatch_count(self, view: WindowView) -> int:
+        return max(0, view.C - view.R - view.Q)
+
+    def can_collect(self, seq: int, view: WindowView) -> bool:
+        return True
+
+    def reset(self) -> None:
+        pass
+
+
+class WindowGated:
+    """``window-gated``: ``R + Q <= C`` and ``next_seq - oldest_uncollected_seq < C`` for every
+    dispatched group; any completed group is collected (spec 3.2)."""
+
+    def dispatch_count(self, view: WindowView) -> int:
+        by_capacity = view.C - view.R - view.Q
+        # Dispatching k groups uses seqs next_seq .. next_seq + k - 1; the oldest uncollected seq
+        # does not move while we dispatch, so the last one must satisfy
+        # next_seq + k - 1 - oldest < C.
+        by_window = view.oldest_uncollected_seq + view.C - view.next_seq
+        return max(0, min(by_capacity, by_window))
+
+    def can_collect(self, seq: int, view: WindowView) -> bool:
+        return True
+
+    def reset(self) -> None:
+        pass
+
+
+class WindowedFifo:
+    """``windowed-fifo``: dispatch like no-window; collect only ``seq - min_seq < B`` where
+    ``min_seq`` is the oldest uncompleted sequence number (spec 3.3). The collection window is B
+    and does not grow with stale_steps."""
+
+    def dispatch_count(self, view: WindowView) -> int:
+        return max(0, view.C - view.R - view.Q)
+
+    def can_collect(self, seq: int, view: WindowView) -> bool:
+        return seq - view.min_uncompleted_seq < view.B
+
+    def reset(self) -> None:
+        pass
+
+
+StrategyFactory = Callable[[], WindowStrategy]
+_REGISTRY: dict[str, StrategyFactory] = {}
+
+
+def register_window_strategy(name: str, factory: StrategyFactory | None = None):
+    """Register a strategy factory under ``name``; usable as a decorator on a class.
+
+    Example::
+
+        @register_window_strategy("my-window")
+        class MyWindow:
+            def dispatch_count(self, view): ...
+            def can_collect(self, seq, view): ...
+            def reset(self): ...
+
+    Raises:
+        ValueError: when ``name`` is already registered to another factory.
+    """
+
+    def _register(f: StrategyFactory) -> StrategyFactory:
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not f:
+            raise ValueError(
+                f"A sliding-window strategy named {name!r} is already registered ({existing!r}); pick another name."
+            )
+        _REGISTRY[name] = f
+        return f
+
+    if factory is not None:
+        return _register(factory)
+    return _register
+
+
+def available_strategies() -> list[str]:
+    """Names usable in ``fully_async.sliding_window``."""
+    return sorted(_REGISTRY)
+
+
+def make_window_strategy(name: str) -> WindowStrategy:
+    """Instantiate the strategy registered under ``name``."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"`fully_async.sliding_window` is {name!r}, which is not a registered strategy; "
+            f"choose one of {', '.join(available_strategies())}."
+        ) from None
+    strategy = factory()
+    missing = [m for m in ("dispatch_count", "can_collect", "reset") if not callable(getattr(strategy, m, None))]
+    if missing:
+        raise TypeError(
+            f"The sliding-window strategy {name!r} lacks {', '.join(missing)}; a strategy needs "
+            "dispatch_count(view), can_collect(seq, view) and reset()."
+        )
+    return strategy
+
+
+register_window_strategy("no-window", NoWindow)
+register_window_strategy("window-gated", WindowGated)
+register_window_strategy("windowed-fifo", WindowedFifo)

@@ -1,0 +1,450 @@
+"""``lightning-fasync simulate``: the real pipeline objects on a virtual clock.
+
+Plan ``stale_steps`` and the window strategy before renting GPUs. The simulator drives the same
+:class:`~lightning_fasync.pipeline.state.PipelineState` (capacity, window strategy, TrajQueue,
+collector policy, PipelineBuffer, pause cleanup, metrics) as a live run; only the engines and the
+trainer are models:
+
+- rollout replicas decode with a throughput-vs-concurrency curve: aggregate tokens/s
+  ``T(c) = peak * c / (c + half)``, shared equally by the ``c`` running requests (processor
+  sharing), with ``c`` capped at ``rollout.sglang_args.max_running_requests`` (the rest queue);
+- response lengths are long-tailed (log-normal, truncated at ``rollout.max_response_length``) or
+  replayed from a trace (``--trace``: JSONL lines ``{"prompt": index, "lengths": [N ints]}``);
+- a training call takes ``train_base_s + tokens * train_s_per_ktoken / 1000`` seconds on the
+  reference trainer pool, scaled by how many GPUs train; weight sync and pause have fixed costs;
+  colocate mode adds the offload/onload switches.
+
+Everything is deterministic for a given seed; nothing sleeps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lightning_fasync.config import FasyncConfig, set_by_path, validate
+from lightning_fasync.pipeline.datasource import ListDataSource
+from lightning_fasync.pipeline.events import EventLog
+from lightning_fasync.pipeline.flow import continuation
+from lightning_fasync.pipeline.state import PipelineState
+from lightning_fasync.pipeline.window import make_window_strategy
+from lightning_fasync.types import PromptSample, Trajectory, TrajectoryStatus
+
+
+@dataclass
+class ReplicaModel:
+    """One rollout replica's decode throughput."""
+
+    peak_tokens_per_s: float = 6000.0
+    """Aggregate decode tokens/s of one replica at saturation (reference: its GPU count below)."""
+    half_saturation: float = 64.0
+    """Concurrency at which a replica reaches half its peak throughput."""
+
+
+@dataclass
+class LengthModel:
+    """Response lengths when no trace is given: log-normal, truncated at the max response length."""
+
+    median: float = 5000.0
+    """Median response length in tokens."""
+    sigma: float = 0.9
+    """Log-normal shape; larger means a longer tail."""
+
+
+@dataclass
+class Variant:
+    """One row of the output table: a name and dotted config overrides."""
+
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SimConfig:
+    """``simulate.*``: the models and the runs to compare."""
+
+    steps: int = 100
+    """Outer steps per run."""
+    seed: int = 0
+    """Seed of the length model and the prompt order."""
+    num_prompts: int = 4096
+    """Prompts in the simulated dataset."""
+    total_gpus: int = 16
+    """GPUs of the whole cluster; colocate mode time-shares all of them."""
+    replica: ReplicaModel = field(default_factory=ReplicaModel)
+    """Replica throughput model."""
+    lengths: LengthModel = field(default_factory=LengthModel)
+    """Response length model."""
+    train_base_s: float = 2.0
+    """Fixed seconds per training call on ``train_reference_gpus`` GPUs."""
+    train_s_per_ktoken: float = 0.06
+    """Seconds per thousand response tokens per training call on ``train_reference_gpus`` GPUs."""
+    train_reference_gpus: int = 8
+    """GPU count the train times above refer to; time scales inversely with the trainer's GPUs."""
+    weight_sync_s: float = 8.0
+    """Weight sync (update + cache flush) per step."""
+    pause_overhead_s: float = 0.5
+    """Fixed cost of pause (abort round-trips, cleanup)."""
+    colocate_switch_s: float = 20.0
+    """Colocate only: offload rollout + onload train + offload train + onload rollout, per step."""
+    variants: list[Variant] = field(default_factory=list)
+    """Runs to compare; the first is the speedup baseline."""
+
+
+class _Count:
+    """A token list that only knows its length (the simulator never needs the token ids)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __deepcopy__(self, memo: dict) -> "_Count":
+        return _Count(self.n)
+
+
+@dataclass
+class _Request:
+    traj: Trajectory
+    sample: PromptSample
+    target: int  # total response length this trajectory will reach
+    key: float = 0.0  # finish point on the replica's virtual-progress axis
+    start_progress: float = 0.0
+    replica: int = -1
+    base_len: int = 0
+    version: int = 0
+    dead: bool = False
+
+
+class _Replica:
+    """Processor sharing via a virtual-progress axis: every running request advances by the same
+    number of tokens per second, so finish order is a heap on ``start + remaining``."""
+
+    def __init__(self, model: ReplicaModel, max_running: Optional[int]) -> None:
+        self.model = model
+        self.max_running = max_running or 1 << 30
+        self.progress = 0.0
+        self.running: list[tuple[float, int, _Request]] = []
+        self.num_running = 0
+        self.waiting: list[_Request] = []
+        self._tie = 0
+
+    def rate(self) -> float:
+        c = self.num_running
+        return self.model.peak_tokens_per_s / (c + self.model.half_saturation) if c else 0.0
+
+    def advance(self, dt: float) -> None:
+        self.progress += self.rate() * dt
+
+    def admit(self, req: _Request) -> None:
+        if self.num_running >= self.max_running:
+            self.waiting.append(req)
+            return
+        req.start_progress = self.progress
+        req.key = self.progress + (req.target - req.base_len)
+        self._tie += 1
+        heapq.heappush(self.running, (req.key, self._tie, req))
+        self.num_running += 1
+
+    def next_finish_dt(self) -> float:
+        while self.running and self.running[0][2].dead:
+            heapq.heappop(self.running)
+        if not self.running:
+            return math.inf
+        return max(self.running[0][0] - self.progress, 0.0) / self.rate()
+
+    def pop_finished(self) -> list[_Request]:
+        done = []
+        while self.running and (self.running[0][2].dead or self.running[0][0] <= self.progress + 1e-3 + 1e-9 * abs(self.progress)):
+            _, _, req = heapq.heappop(self.running)
+            if req.dead:
+                continue
+            self.num_running -= 1
+            done.append(req)
+        while self.waiting and self.num_running < self.max_running:
+            self.admit(self.waiting.pop(0))
+        return done
+
+    def abort_all(self) -> list[tuple[_Request, int]]:
+        out = []
+        for _, _, req in self.running:
+            if not req.dead:
+                req.dead = True
+                out.append((req, int(self.progress - req.start_progress)))
+        for req in self.waiting:
+            out.append((req, 0))
+        self.running, self.waiting, self.num_running = [], [], 0
+        return out
+
+
+class Simulation:
+    """One simulated run of ``cfg`` (fully-async, or colocate with or without partial rollout)."""
+
+    def __init__(self, cfg: FasyncConfig, sim: SimConfig, trace: Optional[dict[int, list[int]]] = None, events_path: Optional[str] = None) -> None:
+        self.cfg, self.sim, self.trace = cfg, sim, trace
+        self.now = 0.0
+        self.rng = random.Random(sim.seed)
+        fa = cfg.fully_async.enable
+        per_replica = max(1, _gpus_per_replica(cfg))
+        trainer_gpus = cfg.trainer.num_nodes * cfg.trainer.num_gpus_per_node
+        rollout_gpus = sim.total_gpus if not fa else _rollout_gpus(cfg)
+        self.train_gpus = sim.total_gpus if not fa else trainer_gpus
+        n_replicas = max(1, rollout_gpus // per_replica)
+        self.replicas = [_Replica(sim.replica, cfg.rollout.sglang_args.max_running_requests) for _ in range(n_replicas)]
+        prompts = [([0] * 8, {}) for _ in range(sim.num_prompts)]
+        self.datasource = ListDataSource(prompts, shuffle=True, seed=sim.seed)
+        stale = cfg.fully_async.stale_steps if fa else cfg.rollout.sampler.num_oversample / cfg.B
+        self.events = EventLog(events_path, clock=lambda: self.now)
+        self.state = PipelineState(
+            num_prompts_per_step=cfg.B,
+            num_trajectories_per_prompt=cfg.N,
+            stale_steps=stale,
+            strategy=make_window_strategy(cfg.fully_async.sliding_window if fa else "no-window"),
+            datasource=self.datasource,
+            event_log=self.events,
+        )
+        self.step_times: list[float] = []
+        self.step_metrics: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------ engine model
+
+    def _target_length(self, sample: PromptSample, index: int) -> int:
+        lengths = sample.metadata.get("_lengths")
+        if lengths is None:
+            ds_index = sample.metadata["dataset_index"]
+            if self.trace is not None:
+                lengths = self.trace.get(ds_index)
+                if lengths is None:
+                    raise ValueError(f"The trace has no line for prompt {ds_index}; it needs one per simulated prompt.")
+                if len(lengths) != self.cfg.N:
+                    raise ValueError(f"The trace line for prompt {ds_index} has {len(lengths)} lengths; N is {self.cfg.N}.")
+            else:
+                lm = self.sim.lengths
+                lengths = [max(1, int(self.rng.lognormvariate(math.log(lm.median), lm.sigma))) for _ in range(self.cfg.N)]
+            sample.metadata["_lengths"] = lengths
+        return max(1, min(int(lengths[index]), self.cfg.rollout.max_response_length))
+
+    def _dispatch(self) -> None:
+        for seq, sample in self.state.plan_dispatch():
+            for i in range(self.cfg.N):
+                traj = continuation(sample, i, seq)
+                if not isinstance(traj.response_ids, _Count):
+                    traj.response_ids = _Count(0)
+                target = self._target_length(sample, i)
+                if traj.status.finished or len(traj.response_ids) >= target:
+                    traj.status = TrajectoryStatus.COMPLETED if target < self.cfg.rollout.max_response_length else TrajectoryStatus.TRUNCATED
+                    self.state.add_trajectory(traj)
+                    continue
+                req = _Request(traj=traj, sample=sample, target=target, base_len=len(traj.response_ids), version=self.state.weight_version)
+                replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].num_running + len(self.replicas[r].waiting))
+                req.replica = replica
+                self.replicas[replica].admit(req)
+
+    def _finish(self, req: _Request, generated: int, status: TrajectoryStatus) -> None:
+        traj = req.traj
+        if generated > 0:
+            traj.response_ids = _Count(req.base_len + generated)
+            if traj.start_version is None:
+                traj.start_version = req.version
+            traj.end_version = req.version
+        traj.status = status
+        self.state.add_trajectory(traj)
+
+    def _advance_to(self, t: float) -> None:
+        dt = t - self.now
+        if dt > 0:
+            for r in self.replicas:
+                r.advance(dt)
+            self.now = t
+        for r in self.replicas:
+            for req in r.pop_finished():
+                final = req.target >= self.cfg.rollout.max_response_length
+                self._finish(req, req.target - req.base_len, TrajectoryStatus.TRUNCATED if final else TrajectoryStatus.COMPLETED)
+        self.state.collect_once()
+
+    def _next_engine_time(self) -> float:
+        return self.now + min((r.next_finish_dt() for r in self.replicas), default=math.inf)
+
+    def _run_until(self, t_end: float) -> None:
+        """Engines (and producer, collector) run until virtual time ``t_end``."""
+        while True:
+            self._dispatch()
+            t = self._next_engine_time()
+            if t > t_end:
+                self._advance_to(t_end)
+                self._dispatch()
+                return
+            self._advance_to(t)
+
+    def _run_until_buffer(self, k: int) -> None:
+        while self.state.Q < k:
+            self._dispatch()
+            t = self._next_engine_time()
+            if math.isinf(t):
+                raise RuntimeError(
+                    f"Simulation stalled: the trainer needs {k} groups, the buffer holds {self.state.Q} and nothing is generating."
+                )
+            self._advance_to(t)
+
+    def _abort_all(self) -> None:
+        for r in self.replicas:
+            for req, generated in r.abort_all():
+                self._finish(req, min(generated, req.target - req.base_len), TrajectoryStatus.CANCELLED)
+        self.state.collect_once()
+
+    def _wait_all(self) -> None:
+        while self.state.in_flight > 0:
+            t = self._next_engine_time()
+            if math.isinf(t):
+                raise RuntimeError("Simulation stalled while waiting for in-flight requests.")
+            self._advance_to(t)
+
+    def _train_seconds(self, groups: list) -> float:
+        tokens = sum(len(t.response_ids) for g in groups for t in g.trajectories)
+        scale = self.sim.train_reference_gpus / max(self.train_gpus, 1)
+        return (self.sim.train_base_s + tokens * self.sim.train_s_per_ktoken / 1000.0) * scale
+
+    def _boundary(self) -> dict[str, float]:
+        """The step protocol on the virtual clock: pause, cleanup, metrics, sync, resume."""
+        t0 = self.now
+        self.state.begin_pause()
+        if self.cfg.rollout.partial:
+            self._abort_all()
+        else:
+            self._wait_all()
+        self.state.drain_collect(timeout=1.0)
+        self.state.cleanup_after_pause()
+        self.now += self.sim.pause_overhead_s
+        metrics = self.state.step_metrics()
+        metrics["timing/pause_delay"] = self.now - t0
+        self.events.emit("sync", step=self.state.rollout_step, R=self.state.R, Q=self.state.Q)
+        self.now += self.sim.weight_sync_s
+        self.state.resume()
+        return metrics
+
+    # ------------------------------------------------------------------ modes
+
+    def run(self) -> "Simulation":
+        mb_groups = self.cfg.groups_per_minibatch
+        calls = self.cfg.minibatches_per_step
+        last = 0.0
+        for _ in range(self.sim.steps):
+            if self.cfg.fully_async.enable:
+                for _ in range(calls):
+                    self._run_until_buffer(mb_groups)
+                    groups = self.state.try_fetch(mb_groups)
+                    self._run_until(self.now + self._train_seconds(groups))
+                metrics = self._boundary()
+            else:
+                # Colocate: roll out the batch on every GPU, then train on every GPU.
+                self._run_until_buffer(self.cfg.B)
+                if not self.cfg.rollout.partial:
+                    self._wait_all()
+                self.state.begin_pause()
+                self._abort_all()
+                self.state.drain_collect(timeout=1.0)
+                self.state.cleanup_after_pause()
+                self.now += self.sim.colocate_switch_s
+                for _ in range(calls):
+                    groups = self.state.try_fetch(mb_groups)
+                    self.now += self._train_seconds(groups)
+                metrics = self.state.step_metrics()
+                self.now += self.sim.weight_sync_s
+                self.state.resume()
+            self.step_times.append(self.now - last)
+            last = self.now
+            self.step_metrics.append(metrics)
+        self.events.close()
+        return self
+
+
+def _gpus_per_replica(cfg: FasyncConfig) -> int:
+    kinds = list(cfg.rollout.sglang_replicas.values())
+    return kinds[0].num_gpus_per_replica if kinds else 1
+
+
+def _rollout_gpus(cfg: FasyncConfig) -> int:
+    return sum(k.num_nodes * cfg.rollout.num_gpus_per_node for k in cfg.rollout.sglang_replicas.values())
+
+
+def load_trace(path: str) -> dict[int, list[int]]:
+    """Read a response-length trace: one JSON object per line, ``{"prompt": i, "lengths": [...]}``."""
+    trace: dict[int, list[int]] = {}
+    with open(path) as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                trace[int(rec["prompt"])] = [int(x) for x in rec["lengths"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(
+                    f"{path}:{lineno}: each trace line must be {{\"prompt\": int, \"lengths\": [int, ...]}} ({exc})."
+                ) from None
+    if not trace:
+        raise ValueError(f"{path} holds no trace lines.")
+    return trace
+
+
+def summarize(name: str, run: Simulation) -> dict[str, Any]:
+    times = run.step_times
+    ms = run.step_metrics
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "config": name,
+        "resource": "colocate" if not run.cfg.fully_async.enable else f"{run.train_gpus}:{sum(1 for _ in run.replicas) * _gpus_per_replica(run.cfg)}",
+        "avg_step": mean(times),
+        "avg_step_excl0": mean(times[1:]),
+        "pipeline_buf_size": mean([m.get("rollout/pipeline_buf_size", 0.0) for m in ms]) if run.cfg.fully_async.enable else None,
+        "partial_ratio": mean([m.get("rollout/partial_ratio", 0.0) for m in ms]),
+        # Per-step mean over all steps (0 where nothing was recycled), as the spec's tables read.
+        "partial_restored_count": mean([m.get("rollout/partial_restored_count", 0.0) for m in ms]),
+        "reward_steps": len(times),
+    }
+
+
+def run_variants(base: FasyncConfig, sim: SimConfig, trace=None, events_path: Optional[str] = None) -> list[dict[str, Any]]:
+    """Run every variant on a copy of ``base`` and return table rows with speedups."""
+    import copy
+
+    variants = sim.variants or [Variant(name="as configured")]
+    rows = []
+    for v in variants:
+        cfg = copy.deepcopy(base)
+        for key, value in v.overrides.items():
+            set_by_path(cfg, key, value)
+        validate(cfg)
+        path = None
+        if events_path:
+            path = events_path if len(variants) == 1 else events_path.replace(".jsonl", "") + f".{_slug(v.name)}.jsonl"
+        rows.append(summarize(v.name, Simulation(cfg, sim, trace=trace, events_path=path).run()))
+    base_row = rows[0]
+    for r in rows:
+        r["speedup"] = base_row["avg_step"] / r["avg_step"]
+        r["speedup_excl0"] = base_row["avg_step_excl0"] / r["avg_step_excl0"] if r["avg_step_excl0"] == r["avg_step_excl0"] else float("nan")
+    return rows
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The spec's 5.2–5.4 table shape, as Markdown."""
+    head = "| config | resource | avg step | speedup | avg step (excl. step 0) | speedup (excl. step 0) | pipeline_buf_size | partial_ratio | partial_restored_count |"
+    sep = "|" + "---|" * 9
+    lines = [head, sep]
+    for r in rows:
+        buf = "-" if r["pipeline_buf_size"] is None else f"{r['pipeline_buf_size']:.1f}"
+        lines.append(
+            f"| {r['config']} | {r['resource']} | {r['avg_step']:.2f} | {r['speedup']:.2f}x | {r['avg_step_excl0']:.2f} | "
+            f"{r['speedup_excl0']:.2f}x | {buf} | {r['partial_ratio']:.3f} | {r['partial_restored_count']:.0f} |"
+        )
+    return "\n".join(lines)
