@@ -268,9 +268,16 @@ class PipelineState:
                     self.cond.wait(0.05)
 
     def _take_ready_locked(self) -> list[PendingGroup]:
-        taken = []
+        taken: list[PendingGroup] = []
+        if not self.queue.num_ready:
+            return taken
+        # Taking a group moves it from TrajQueue to "collecting": R, Q and min_uncompleted_seq do
+        # not change during the pass (only oldest_uncollected_seq may move forward), so the view
+        # taken at the start of the pass serves every decision in it.
+        view = self.view()
+        can_collect = self.strategy.can_collect
         for group in list(self.queue.ready()):
-            if group.has_failed or self.strategy.can_collect(group.seq, self.view()):
+            if group.has_failed or can_collect(group.seq, view):
                 self.queue.pop(group.seq)
                 self._collecting += 1
                 taken.append(group)
