@@ -6,6 +6,7 @@ rollout engines through the pipeline to the trainer.
 
 from __future__ import annotations
 
+import copy as _copy
 import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -75,6 +76,27 @@ class Trajectory:
     error: Optional[str] = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def fresh(cls, prompt_id: PromptId, sample_index: int, prompt_ids: list[int], seq: int) -> "Trajectory":
+        """An empty trajectory, built without the dataclass ``__init__`` (this runs once per
+        request on the producer's hot path)."""
+        t = object.__new__(cls)
+        t.prompt_id = prompt_id
+        t.sample_index = sample_index
+        t.prompt_ids = prompt_ids
+        t.response_ids = []
+        t.rollout_log_probs = []
+        t.loss_mask = []
+        t.weight_versions = []
+        t.start_version = None
+        t.end_version = None
+        t.status = TrajectoryStatus.CANCELLED
+        t.reward = None
+        t.seq = seq
+        t.error = None
+        t.metadata = {}
+        return t
+
     @property
     def response_length(self) -> int:
         return len(self.response_ids)
@@ -107,6 +129,17 @@ class Trajectory:
         if self.start_version is None:
             self.start_version = versions[0]
         self.end_version = versions[-1]
+
+    def copy(self) -> "Trajectory":
+        """A copy whose token lists can be extended without touching this one (cheaper than
+        ``copy.deepcopy``, which matters when many partial trajectories resume at once)."""
+        dup = _copy.copy(self)
+        dup.response_ids = _copy.copy(self.response_ids)
+        dup.rollout_log_probs = _copy.copy(self.rollout_log_probs)
+        dup.loss_mask = _copy.copy(self.loss_mask)
+        dup.weight_versions = _copy.copy(self.weight_versions)
+        dup.metadata = dict(self.metadata)
+        return dup
 
     def to_dict(self) -> dict[str, Any]:
         return {

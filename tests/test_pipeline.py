@@ -309,3 +309,13 @@ def test_checkpoint_state_regenerates_unconsumed_prompts_first(tmp_path):
     assert served[: len(unconsumed)] == sorted(unconsumed, key=lambda p: tuple(map(int, p.split(":")))) or set(served) >= set(unconsumed)
     assert ctl2.rollout_step == 1
     ctl2.shutdown()
+
+
+def test_fresh_trajectory_matches_the_dataclass_defaults():
+    from lightning_fasync.types import PromptId, Trajectory
+
+    a = Trajectory.fresh(PromptId(1, 2), 3, [4, 5], 6)
+    b = Trajectory(prompt_id=PromptId(1, 2), sample_index=3, prompt_ids=[4, 5], seq=6)
+    assert a == b
+    a.extend([1], [-0.1], [0])
+    assert b.response_ids == [] and Trajectory.fresh(PromptId(0, 0), 0, [], 0).response_ids == []

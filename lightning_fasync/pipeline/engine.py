@@ -9,8 +9,9 @@ only fixes the contract so the pipeline stays free of HTTP and model imports.
 from __future__ import annotations
 
 import abc
+import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -90,6 +91,14 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     async def abort_all(self) -> None:
         """Abort every running request on every worker (``/abort_request`` with ``abort_all``)."""
+
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[Union[GenerateResult, BaseException]]:
+        """Generate several requests (one group); an engine error is returned in its slot, not raised.
+
+        The default runs :meth:`generate` concurrently; a client for a server that takes batched
+        ``/generate`` input (SGLang does) can send one call instead.
+        """
+        return list(await asyncio.gather(*(self.generate(r) for r in requests), return_exceptions=True))
 
     async def close(self) -> None:
         """Release connections. Idempotent."""

@@ -9,7 +9,7 @@ trajectory already has, per-token versions continuing).
 from __future__ import annotations
 
 import abc
-import copy
+import asyncio
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from lightning_fasync.pipeline.engine import EngineClient, GenerateRequest, GenerateResult, SamplingParams
@@ -19,11 +19,31 @@ RewardFn = Callable[[PromptSample, Trajectory], Union[float, Awaitable[float]]]
 
 
 class AgentFlow(abc.ABC):
-    """Turns (prompt sample, sample index) into a terminal trajectory."""
+    """Turns a prompt sample into terminal trajectories.
+
+    The producer calls :meth:`run_group` once per dispatched group. Its default runs
+    :meth:`run` for the N samples concurrently; a flow that can do better (one batched engine
+    call per group) overrides it.
+    """
 
     @abc.abstractmethod
     async def run(self, sample: PromptSample, index: int, seq: int) -> Trajectory:
         """Return a trajectory with a terminal status; never raise for engine errors (mark failed)."""
+
+    async def run_group(self, sample: PromptSample, seq: int, n: int) -> list[Trajectory]:
+        """The N trajectories of one group; an exception in one marks only that one failed."""
+        results = await asyncio.gather(*(self.run(sample, i, seq) for i in range(n)), return_exceptions=True)
+        out = []
+        for i, res in enumerate(results):
+            if isinstance(res, BaseException):
+                if isinstance(res, asyncio.CancelledError):
+                    raise res
+                traj = continuation(sample, i, seq)
+                traj.status = TrajectoryStatus.FAILED
+                traj.error = f"{type(res).__name__}: {res}"
+                res = traj
+            out.append(res)
+        return out
 
 
 def continuation(sample: PromptSample, index: int, seq: int) -> Trajectory:
@@ -34,11 +54,11 @@ def continuation(sample: PromptSample, index: int, seq: int) -> Trajectory:
     if sample.resume is not None and index < len(sample.resume):
         prev = sample.resume[index]
         if prev.status is not TrajectoryStatus.FAILED:
-            traj = copy.deepcopy(prev)
+            traj = prev.copy()
             traj.seq = seq
             traj.error = None
             return traj
-    return Trajectory(prompt_id=sample.prompt_id, sample_index=index, prompt_ids=list(sample.input_ids), seq=seq)
+    return Trajectory.fresh(sample.prompt_id, index, list(sample.input_ids), seq)
 
 
 def resume_request(traj: Trajectory, sampling: SamplingParams, max_response_length: int, rid: str) -> Optional[GenerateRequest]:
@@ -100,27 +120,44 @@ class SingleTurnFlow(AgentFlow):
         self.rid_prefix = rid_prefix
 
     async def run(self, sample: PromptSample, index: int, seq: int) -> Trajectory:
-        traj = continuation(sample, index, seq)
-        if traj.status.finished:
-            return traj
-        request = resume_request(traj, self.sampling, self.max_response_length, f"{self.rid_prefix}{seq}-{index}")
-        if request is None:
-            traj.status = TrajectoryStatus.TRUNCATED
-        else:
-            try:
-                result = await self.client.generate(request)
-            except Exception as exc:  # engine errors become failed trajectories (group policy)
-                traj.status = TrajectoryStatus.FAILED
-                traj.error = f"{type(exc).__name__}: {exc}"
-                return traj
-            apply_result(traj, result, self.max_response_length)
-        if traj.status.finished and self.reward_fn is not None:
-            try:
-                reward: Any = self.reward_fn(sample, traj)
-                if hasattr(reward, "__await__"):
-                    reward = await reward
-                traj.reward = float(reward)
-            except Exception as exc:
-                traj.status = TrajectoryStatus.FAILED
-                traj.error = f"reward function raised {type(exc).__name__}: {exc}"
-        return traj
+        return (await self._run(sample, seq, [index]))[0]
+
+    async def run_group(self, sample: PromptSample, seq: int, n: int) -> list[Trajectory]:
+        return await self._run(sample, seq, range(n))
+
+    async def _run(self, sample: PromptSample, seq: int, indices) -> list[Trajectory]:
+        trajs = [continuation(sample, i, seq) for i in indices]
+        pending: list[tuple[Trajectory, GenerateRequest]] = []
+        for traj in trajs:
+            if traj.status.finished:
+                continue  # finished before a step boundary recycled its group
+            request = resume_request(traj, self.sampling, self.max_response_length, f"{self.rid_prefix}{seq}-{traj.sample_index}")
+            if request is None:
+                traj.status = TrajectoryStatus.TRUNCATED
+            else:
+                pending.append((traj, request))
+        if pending:
+            # One batched call per group: the group leaves TrajQueue only when its slowest member
+            # is done anyway, and SGLang (and our client) accept batches.
+            results = await self.client.generate_batch([req for _, req in pending])
+            for (traj, _), result in zip(pending, results):
+                if isinstance(result, BaseException):  # engine errors become failed trajectories
+                    traj.status = TrajectoryStatus.FAILED
+                    traj.error = f"{type(result).__name__}: {result}"
+                else:
+                    apply_result(traj, result, self.max_response_length)
+        if self.reward_fn is not None:
+            for traj in trajs:
+                if traj.status.finished and traj.reward is None:
+                    await self._score(sample, traj)
+        return trajs
+
+    async def _score(self, sample: PromptSample, traj: Trajectory) -> None:
+        try:
+            reward: Any = self.reward_fn(sample, traj)  # type: ignore[misc]
+            if hasattr(reward, "__await__"):
+                reward = await reward
+            traj.reward = float(reward)
+        except Exception as exc:
+            traj.status = TrajectoryStatus.FAILED
+            traj.error = f"reward function raised {type(exc).__name__}: {exc}"

@@ -18,7 +18,7 @@ from typing import Any, Coroutine, Optional
 from lightning_fasync.pipeline.engine import EngineClient
 from lightning_fasync.pipeline.flow import AgentFlow, continuation
 from lightning_fasync.pipeline.state import PipelineError, PipelineState
-from lightning_fasync.types import PromptSample, TrajectoryStatus
+from lightning_fasync.types import PromptSample, Trajectory, TrajectoryStatus
 
 
 class RolloutProducer:
@@ -46,6 +46,7 @@ class RolloutProducer:
         self._sem: Optional[asyncio.Semaphore] = None
         self._main_task: Optional[asyncio.Task] = None
         self._notify_scheduled = False
+        self._waiting = False
         self._cancel_queued = False  # set during a partial pause: queued requests return at once
         state.add_wake_listener(self._wake_threadsafe)
 
@@ -86,55 +87,69 @@ class RolloutProducer:
     async def _main(self) -> None:
         self._main_task = asyncio.current_task()
         self._wake = asyncio.Event()
-        # The window already bounds requests by C * N; a semaphore only matters below that.
-        bound = self.state.C * self.state.N
-        self._sem = asyncio.Semaphore(self.max_connections) if self.max_connections < bound else None
+        # Groups are dispatched whole, so max_connections is applied as max_connections // N
+        # concurrent groups (at least one). The window already bounds groups by C; a semaphore
+        # only matters below that.
+        groups = max(1, self.max_connections // self.state.N)
+        self._sem = asyncio.Semaphore(groups) if groups < self.state.C else None
         self._started.set()
         loop = asyncio.get_running_loop()
         n = self.state.N
         while not self._stopping:
             self._wake.clear()
+            # Announce the wait before planning: a wake-up that lands after the plan found
+            # nothing must still set the event (see _wake_threadsafe).
+            self._waiting = True
             planned = self.state.plan_dispatch()
-            # Tasks are not tracked one by one (a done-callback per request costs as much as the
-            # request itself with a fast engine); stop() and _cancel_tasks() use all_tasks().
-            run_one = self._run_one if self._sem is not None else self._run_unbounded
+            if planned:
+                self._waiting = False
+            # One task per group (the flow batches its N requests). Tasks are not tracked one by
+            # one: stop() and _cancel_tasks() use all_tasks().
             for seq, sample in planned:
-                for i in range(n):
-                    loop.create_task(run_one(sample, i, seq))
+                loop.create_task(self._run_group(sample, seq))
             if not planned:
                 await self._wake.wait()
+                self._waiting = False
             else:
                 await asyncio.sleep(0)  # let the new requests start before planning again
 
-    async def _run_one(self, sample: PromptSample, index: int, seq: int) -> None:
-        assert self._sem is not None
-        async with self._sem:
-            await self._run_unbounded(sample, index, seq)
-
-    async def _run_unbounded(self, sample: PromptSample, index: int, seq: int) -> None:
+    async def _run_group(self, sample: PromptSample, seq: int) -> None:
+        n = self.state.N
         try:
-            if self._cancel_queued:
-                # Queued behind max_connections when the step ended: never reached the engine.
-                traj = continuation(sample, index, seq)
-                if not traj.status.finished:
-                    traj.status = TrajectoryStatus.CANCELLED
+            if self._sem is None:
+                trajs = await self.flow.run_group(sample, seq, n)
             else:
-                traj = await self.flow.run(sample, index, seq)
+                async with self._sem:
+                    if self._cancel_queued:
+                        trajs = self._cancelled(sample, seq)  # never reached the engine
+                    else:
+                        trajs = await self.flow.run_group(sample, seq, n)
+            if len(trajs) != n:
+                raise PipelineError(f"The agent flow returned {len(trajs)} trajectories for prompt {sample.prompt_id}; N is {n}.")
         except asyncio.CancelledError:
             if self._stopping:
                 raise
-            traj = continuation(sample, index, seq)
-            if not traj.status.finished:
-                traj.status = TrajectoryStatus.CANCELLED
+            trajs = self._cancelled(sample, seq)
         except Exception as exc:  # a flow bug: the group policy drops the group, the error is kept
-            traj = continuation(sample, index, seq)
-            traj.status = TrajectoryStatus.FAILED
-            traj.error = f"{type(exc).__name__}: {exc}"
+            trajs = self._cancelled(sample, seq)
+            for traj in trajs:
+                traj.status = TrajectoryStatus.FAILED
+                traj.error = f"{type(exc).__name__}: {exc}"
         if not self._stopping:
-            if self.state.add_trajectory(traj, notify=False) and not self._notify_scheduled:
+            if self.state.add_trajectories(trajs) and not self._notify_scheduled:
                 # One collector wake-up per loop iteration, however many groups completed in it.
                 self._notify_scheduled = True
                 asyncio.get_running_loop().call_soon(self._notify_collector)
+
+    def _cancelled(self, sample: PromptSample, seq: int) -> list[Trajectory]:
+        """The group as it stands, every unfinished trajectory marked cancelled."""
+        out = []
+        for i in range(self.state.N):
+            traj = continuation(sample, i, seq)
+            if not traj.status.finished:
+                traj.status = TrajectoryStatus.CANCELLED
+            out.append(traj)
+        return out
 
     def _notify_collector(self) -> None:
         self._notify_scheduled = False
@@ -142,7 +157,8 @@ class RolloutProducer:
 
     def _wake_threadsafe(self) -> None:
         loop, wake = self.loop, self._wake
-        if loop is None or wake is None or loop.is_closed():
+        if loop is None or wake is None or loop.is_closed() or not self._waiting:
+            # A busy producer re-plans before it sleeps again; only a waiting one needs waking.
             return
         try:
             if threading.get_ident() == getattr(self._thread, "ident", None):

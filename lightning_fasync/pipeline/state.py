@@ -190,35 +190,50 @@ class PipelineState:
                     self.events.emit("dispatch", seq=seq, prompt=sample.prompt_id, R=self.R, Q=self.Q, step=self.rollout_step)
         return out
 
-    def add_trajectory(self, traj: Trajectory, notify: bool = True) -> bool:
-        """A terminal trajectory arrives in TrajQueue. Returns True when it completed its group.
-
-        With ``notify=False`` the caller wakes the collector itself (:meth:`notify_collector`), so
-        a burst of completions costs one wake-up (the producer does this once per loop iteration).
-        """
+    def add_trajectory(self, traj: Trajectory) -> bool:
+        """A terminal trajectory arrives in TrajQueue. Returns True when it completed its group."""
         with self.cond:
-            group = self.queue.add(traj)
-            self.in_flight -= 1
-            if self.in_flight == 0:
+            completed, recycled = self._add_locked(traj)
+            if completed:
                 self.cond.notify_all()
-            if group is None:
-                return False
-            if group.has_cancelled and not group.has_failed and not self.paused:
-                # Aborted by the engine outside a step boundary: resume it later.
-                self.queue.pop(group.seq)
-                self._recycle_locked(group, reason="aborted")
-                self._stats.aborted_restored_count += self.N
-                recycled = True
-            else:
-                recycled = False
-                if self.events.enabled:
-                    self.events.emit("complete", seq=group.seq, prompt=group.sample.prompt_id, R=self.R, Q=self.Q, step=self.rollout_step)
-                self.change_count += 1
-                if notify:
-                    self.cond.notify_all()
         if recycled:
             self._wake_producer()
-        return True
+        return completed
+
+    def _add_locked(self, traj: Trajectory) -> tuple[bool, bool]:
+        group = self.queue.add(traj)
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.cond.notify_all()
+        if group is None:
+            return False, False
+        if group.has_cancelled and not group.has_failed and not self.paused:
+            # Aborted by the engine outside a step boundary: resume it later.
+            self.queue.pop(group.seq)
+            self._recycle_locked(group, reason="aborted")
+            self._stats.aborted_restored_count += self.N
+            return True, True
+        if self.events.enabled:
+            self.events.emit("complete", seq=group.seq, prompt=group.sample.prompt_id, R=self.R, Q=self.Q, step=self.rollout_step)
+        self.change_count += 1
+        return True, False
+
+    def add_trajectories(self, trajs: Sequence[Trajectory]) -> bool:
+        """Add several terminal trajectories under one lock; True when a group completed.
+
+        The caller wakes the collector (:meth:`notify_collector`); the producer does that once per
+        event-loop iteration.
+        """
+        completed = False
+        recycled = False
+        with self.cond:
+            for traj in trajs:
+                c, r = self._add_locked(traj)
+                completed |= c
+                recycled |= r
+        if recycled:
+            self._wake_producer()
+        return completed
 
     def notify_collector(self) -> None:
         with self.cond:
@@ -276,7 +291,9 @@ class PipelineState:
         # taken at the start of the pass serves every decision in it.
         view = self.view()
         can_collect = self.strategy.can_collect
-        for group in list(self.queue.ready()):
+        horizon_fn = getattr(self.strategy, "collect_horizon", None)
+        horizon = horizon_fn(view) if horizon_fn is not None else None
+        for group in self.queue.ready(horizon):
             if group.has_failed or can_collect(group.seq, view):
                 self.queue.pop(group.seq)
                 self._collecting += 1

@@ -7,9 +7,10 @@ sequence-number questions the window strategies ask (oldest uncollected, oldest 
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
 
 from lightning_fasync.types import PromptSample, Trajectory, TrajectoryGroup, TrajectoryStatus
 
@@ -56,7 +57,9 @@ class TrajQueue:
         # Insertion order is dispatch order, so the first key is the oldest seq.
         self._uncollected: OrderedDict[int, PendingGroup] = OrderedDict()
         self._uncompleted: OrderedDict[int, None] = OrderedDict()
-        self._ready: OrderedDict[int, None] = OrderedDict()  # completed, waiting for the collector
+        # Completed groups waiting for the collector, as a sorted list of seqs: the collector walks
+        # it in seq order and can stop at a strategy's horizon (windowed-fifo).
+        self._ready: list[int] = []
 
     def __len__(self) -> int:
         return len(self._uncollected)
@@ -83,19 +86,21 @@ class TrajQueue:
         if not group.has_cancelled or group.has_failed:
             # Ready for the collector: finished, or failed (the group policy drops those).
             self._uncompleted.pop(traj.seq, None)
-            self._ready[traj.seq] = None
+            bisect.insort(self._ready, traj.seq)
         return group
 
-    def ready(self) -> Iterator[PendingGroup]:
-        """Completed groups waiting for collection, oldest seq first."""
-        for seq in list(self._ready):
-            yield self._uncollected[seq]
+    def ready(self, before: Optional[int] = None) -> list[PendingGroup]:
+        """Completed groups waiting for collection, in seq order (only seq < ``before``)."""
+        end = len(self._ready) if before is None else bisect.bisect_left(self._ready, before)
+        return [self._uncollected[seq] for seq in self._ready[:end]]
 
     def pop(self, seq: int) -> PendingGroup:
         """Remove a group (collected, recycled or dropped)."""
         group = self._uncollected.pop(seq)
         self._uncompleted.pop(seq, None)
-        self._ready.pop(seq, None)
+        i = bisect.bisect_left(self._ready, seq)
+        if i < len(self._ready) and self._ready[i] == seq:
+            del self._ready[i]
         return group
 
     @property

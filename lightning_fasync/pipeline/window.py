@@ -61,6 +61,10 @@ class WindowStrategy(Protocol):
         """Forget per-step state; called by ``pause()`` after TrajQueue is cleared."""
         ...
 
+    # Optional: ``collect_horizon(view) -> int``, a seq from which ``can_collect`` is False for
+    # every later seq too; the collector then stops its scan there instead of asking for each
+    # waiting group.
+
 
 class NoWindow:
     """``no-window``: only total capacity, ``dispatch_count = max(0, C - R - Q)``; any completed
@@ -105,6 +109,10 @@ class WindowedFifo:
 
     def can_collect(self, seq: int, view: WindowView) -> bool:
         return seq - view.min_uncompleted_seq < view.B
+
+    def collect_horizon(self, view: WindowView) -> int:
+        """No seq at or past this can be collected now (lets the collector stop scanning early)."""
+        return view.min_uncompleted_seq + view.B
 
     def reset(self) -> None:
         pass
