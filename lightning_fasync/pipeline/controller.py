@@ -209,8 +209,13 @@ class FullyAsyncController:
         try:
             save_freq = self.cfg.trainer.save_freq
             if save_freq > 0 and (step + 1) % save_freq == 0:
+                # The ledger is durable up to the checkpoint, and says where the checkpoint is, so
+                # an audit after a crash knows which consumptions the restored run replays.
+                self.state.ledger.flush()
                 with self.timer.time("save_ckpt"):
                     hooks.save_checkpoint(step)
+                self.state.ledger.record("checkpoint", step=step, resume_step=step + 1)
+                self.state.ledger.flush()
             with self.timer.time("update_weights"):
                 hooks.sync_weights(self.state.weight_version + 1)
             self.state.events.emit("sync", R=self.state.R, Q=self.state.Q, step=step, weight_version=self.state.weight_version + 1)
@@ -243,3 +248,4 @@ class FullyAsyncController:
         if self._started:
             raise PipelineError("load_state_dict() must run before the pipeline threads start.")
         self.state.load_state_dict(state["pipeline"])
+        self.state.ledger.record("resume", step=self.state.rollout_step, weight_version=self.state.weight_version)

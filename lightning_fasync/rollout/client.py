@@ -1,0 +1,246 @@
+"""An aiohttp client for SGLang's native API: the ``EngineClient`` the rollout producer uses.
+
+``/generate`` goes to one URL (the router when there is one, else the single engine). Admin calls
+(abort, pause, continue, weight updates, flush, health) fan out to every worker, because the
+router does not proxy them. Works the same against the embedded engine and a real SGLang server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import uuid
+from typing import Any, Mapping, Optional, Sequence
+
+import aiohttp
+
+from lightning_fasync.pipeline.engine import EngineClient, EngineError, GenerateRequest, GenerateResult
+
+RETRYABLE_STATUS = (502, 503, 504)  # router without a healthy worker, worker restarting
+
+
+def parse_version(label: Any) -> int:
+    """An SGLang weight-version label as the pipeline's integer version.
+
+    SGLang's initial label is ``"default"``, read as version 0; every other label must be an integer
+    (the trainer sets them, see ``update_weights_*``).
+    """
+    if label is None or label == "default":
+        return 0
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        raise EngineError(f"Weight version label {label!r} is not an integer; set integer versions on weight updates.") from None
+
+
+def expand_versions(meta_info: Mapping[str, Any], num_tokens: int) -> list[int]:
+    """One version per output token from ``meta_info``.
+
+    Accepts spans ``[[start, end, version], ...]`` (end exclusive, as the embedded engine sends), a
+    per-token list, or, from a server that reports none, the single ``weight_version`` repeated.
+    """
+    spans = meta_info.get("weight_versions")
+    if spans is None:
+        return [parse_version(meta_info.get("weight_version"))] * num_tokens
+    if spans and not isinstance(spans[0], (list, tuple)):
+        versions = [parse_version(v) for v in spans]
+    else:
+        versions = [0] * num_tokens
+        covered = 0
+        for start, end, label in spans:
+            if not 0 <= start <= end <= num_tokens:
+                raise EngineError(f"Weight-version span [{start}, {end}) is outside the {num_tokens} output tokens.")
+            versions[start:end] = [parse_version(label)] * (end - start)
+            covered += end - start
+        if covered != num_tokens:
+            raise EngineError(f"Weight-version spans cover {covered} of {num_tokens} output tokens.")
+    if len(versions) != num_tokens:
+        raise EngineError(f"Got {len(versions)} weight versions for {num_tokens} output tokens.")
+    return versions
+
+
+def parse_generate_response(rid: str, data: Mapping[str, Any]) -> GenerateResult:
+    """Turn SGLang's ``/generate`` JSON into a ``GenerateResult``."""
+    meta = data.get("meta_info") or {}
+    output_ids = list(data.get("output_ids") or [])
+    logprobs = meta.get("output_token_logprobs") or []
+    if len(logprobs) != len(output_ids):
+        raise EngineError(f"Request {rid}: {len(output_ids)} output tokens but {len(logprobs)} log-probs.")
+    finish = meta.get("finish_reason") or {}
+    reason = finish.get("type") if isinstance(finish, dict) else finish
+    if reason not in ("stop", "length", "abort"):
+        raise EngineError(f"Request {rid}: unexpected finish_reason {finish!r}.")
+    return GenerateResult(
+        rid=rid,
+        output_ids=output_ids,
+        output_log_probs=[float(entry[0]) for entry in logprobs],
+        weight_versions=expand_versions(meta, len(output_ids)),
+        finish_reason=reason,
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        meta_info=dict(meta),
+    )
+
+
+class SGLangClient(EngineClient):
+    """``EngineClient`` over HTTP for SGLang-compatible servers (embedded engine or real SGLang).
+
+    Args:
+        worker_urls: Every engine replica (admin calls go to all of them).
+        router_url: The sglang-router in front of them; ``/generate`` goes there. None: the first
+            worker serves ``/generate`` (one replica).
+        api_key: Sent as ``Authorization: Bearer``.
+        max_connections: Concurrent HTTP connections.
+        retries: Retries of a call after connection errors (and 502/503/504).
+        retry_backoff_s: First retry delay; doubles each time.
+        generate_timeout_s: Deadline of one ``/generate`` (pauses included).
+        admin_timeout_s: Deadline of one admin call.
+    """
+
+    def __init__(
+        self,
+        worker_urls: Sequence[str],
+        router_url: Optional[str] = None,
+        api_key: Optional[str] = None,
+        max_connections: int = 512,
+        retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        generate_timeout_s: float = 3600.0,
+        admin_timeout_s: float = 300.0,
+    ) -> None:
+        if not worker_urls:
+            raise ValueError("SGLangClient needs at least one worker URL.")
+        self.worker_urls = [u.rstrip("/") for u in worker_urls]
+        self.generate_url = (router_url or self.worker_urls[0]).rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.max_connections = max_connections
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self.generate_timeout_s = generate_timeout_s
+        self.admin_timeout_s = admin_timeout_s
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    async def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections), headers=self.headers
+            )
+        return self._session
+
+    async def _request(self, method: str, url: str, body: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
+        """One call with retries on connection errors; returns the parsed JSON (or text)."""
+        session = await self._http()
+        client_timeout = aiohttp.ClientTimeout(total=timeout or self.admin_timeout_s, sock_connect=10)
+        last: Optional[BaseException] = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                async with session.request(method, url, json=body, timeout=client_timeout) as resp:
+                    text = await resp.text()
+                    if resp.status in RETRYABLE_STATUS:
+                        last = EngineError(f"{method} {url} answered {resp.status}: {text[:500]}")
+                        continue
+                    if resp.status != 200:
+                        raise EngineError(f"{method} {url} answered {resp.status}: {text[:500]}")
+                    if resp.content_type == "application/json":
+                        return await resp.json()
+                    return text
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+                last = exc
+        raise EngineError(f"{method} {url} failed after {self.retries + 1} attempts: {last!r}") from last
+
+    async def _all_workers(self, method: str, path: str, body: Optional[dict] = None) -> list[Any]:
+        return list(await asyncio.gather(*(self._request(method, u + path, body) for u in self.worker_urls)))
+
+    # -------------------------------------------------------------- EngineClient
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        body = {
+            "rid": request.rid,
+            "input_ids": list(request.input_ids),
+            "sampling_params": request.sampling_params.to_dict(),
+            "return_logprob": True,
+        }
+        data = await self._request("POST", self.generate_url + "/generate", body, timeout=self.generate_timeout_s)
+        if not isinstance(data, dict):
+            raise EngineError(f"Request {request.rid}: /generate returned non-JSON: {str(data)[:300]}")
+        return parse_generate_response(request.rid, data)
+
+    async def abort(self, rid: str) -> None:
+        await self._all_workers("POST", "/abort_request", {"rid": rid})
+
+    async def abort_all(self) -> None:
+        await self._all_workers("POST", "/abort_request", {"abort_all": True})
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    # -------------------------------------------------------------- admin, every worker
+
+    async def pause(self, mode: str = "abort") -> None:
+        """``/pause_generation`` on every worker (``abort`` or ``in_place``)."""
+        await self._all_workers("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        """``/continue_generation`` on every worker."""
+        await self._all_workers("POST", "/continue_generation", {})
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: Optional[int] = None, flush_cache: bool = True) -> None:
+        """Every worker loads safetensors weights from ``model_path`` (a directory or file)."""
+        body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        self._check_success(await self._all_workers("POST", "/update_weights_from_disk", body))
+
+    async def update_weights_from_tensor(
+        self, named_tensors: Mapping[str, Any], weight_version: Optional[int] = None, shm_dir: str = "/dev/shm"
+    ) -> None:
+        """Same-host update: write one safetensors file to shared memory; every worker maps it in.
+
+        The file is removed once every worker has answered.
+        """
+        from safetensors.torch import save_file
+
+        directory = shm_dir if os.path.isdir(shm_dir) else tempfile.gettempdir()
+        path = os.path.join(directory, f"fasync-weights-{uuid.uuid4().hex}.safetensors")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in named_tensors.items()}
+        await asyncio.get_running_loop().run_in_executor(None, save_file, tensors, path)
+        try:
+            body: dict[str, Any] = {"safetensors_path": path, "flush_cache": True}
+            if weight_version is not None:
+                body["weight_version"] = str(weight_version)
+            self._check_success(await self._all_workers("POST", "/update_weights_from_tensor", body))
+        finally:
+            os.unlink(path)
+
+    async def update_weight_version(self, weight_version: int) -> None:
+        """Relabel the current weights on every worker."""
+        await self._all_workers("POST", "/update_weight_version", {"new_version": str(weight_version)})
+
+    async def flush_cache(self) -> None:
+        await self._all_workers("POST", "/flush_cache")
+
+    async def health(self) -> bool:
+        """True when every worker answers ``/health`` with 200."""
+        try:
+            await self._all_workers("GET", "/health")
+        except EngineError:
+            return False
+        return True
+
+    async def model_info(self) -> list[dict[str, Any]]:
+        """``/model_info`` of every worker (includes ``weight_version``)."""
+        return await self._all_workers("GET", "/model_info")
+
+    async def loads(self) -> list[dict[str, Any]]:
+        """``/v1/loads`` of every worker."""
+        return await self._all_workers("GET", "/v1/loads")
+
+    @staticmethod
+    def _check_success(results: list[Any]) -> None:
+        for r in results:
+            if isinstance(r, dict) and r.get("success") is False:
+                raise EngineError(f"Weight update failed: {r.get('message')}")
