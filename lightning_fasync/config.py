@@ -60,6 +60,12 @@ class DataSourceConfig:
     """Shuffle prompts at each epoch (seeded by ``seed``)."""
     seed: int = 1234
     """Seed for the per-epoch shuffle."""
+    task: str = "repeat"
+    """Task that makes the prompts and scores the responses (``lightning_fasync.data.tasks``)."""
+    task_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the task (e.g. its length distribution)."""
+    num_prompts: int = 4096
+    """Prompts per epoch drawn from the task."""
 
 
 @dataclass

@@ -319,3 +319,30 @@ def test_fresh_trajectory_matches_the_dataclass_defaults():
     assert a == b
     a.extend([1], [-0.1], [0])
     assert b.response_ids == [] and Trajectory.fresh(PromptId(0, 0), 0, [], 0).response_ids == []
+
+
+@pytest.mark.parametrize("partial,oversample", [(False, 0), (True, 4)])
+def test_colocate_rolls_out_the_batch_then_trains(tmp_path, partial, oversample):
+    """Colocate baseline: dispatch B (+ over-dispatch), pause once B groups are complete, then train."""
+    cfg = make_cfg(**{"colocate": True, "fully_async.enable": False, "rollout.partial": partial,
+                      "rollout.sampler.num_oversample": oversample})
+    ctl, _ = build(cfg, tmp_path)
+    assert ctl.colocate and ctl.state.C == cfg.B + oversample
+    ctl.start()
+    try:
+        results = run_steps(ctl, Hooks(), 3)
+    finally:
+        ctl.shutdown()
+    assert all(m["rollout/consumed_groups"] == cfg.B for _, m in results)
+    events = read_jsonl(os.path.join(tmp_path, "events.jsonl"))
+    # Nothing is dispatched between a pause and the next resume: training never overlaps rollout.
+    paused = False
+    for e in events:
+        if e["event"] == "pause":
+            paused = True
+        elif e["event"] == "resume":
+            paused = False
+        elif e["event"] == "dispatch":
+            assert not paused
+        elif e["event"] == "consume":
+            assert paused, "colocate trains only after the rollout phase paused"

@@ -83,18 +83,3 @@ def test_cli_entry_point_runs():
     )
     assert proc.returncode == 0, proc.stderr
     assert "| colocate |" in proc.stdout and "speedup" in proc.stdout
-
-
-def test_custom_window_example_runs():
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    try:
-        import custom_window
-    finally:
-        sys.path.pop(0)
-    cwd = os.getcwd()
-    os.chdir(REPO)
-    try:
-        table = custom_window.main(steps=3)
-    finally:
-        os.chdir(cwd)
-    assert "capped-fifo" in table

@@ -94,11 +94,16 @@ class FullyAsyncController:
         ledger = Ledger(os.path.join(log_dir, "ledger.jsonl") if log_dir else None)
         if group_filter is None and cfg.rollout.filter:
             group_filter = load_callable(cfg.rollout.filter, "rollout.filter")
+        # Colocate (the spec's baseline): roll out the batch, pause, then train on the same
+        # resources. Capacity is B plus the synchronous over-dispatch; no window strategy applies.
+        self.colocate = not cfg.fully_async.enable
+        stale = cfg.rollout.sampler.num_oversample / cfg.B if self.colocate else cfg.fully_async.stale_steps
+        window = "no-window" if self.colocate else cfg.fully_async.sliding_window
         self.state = PipelineState(
             num_prompts_per_step=cfg.B,
             num_trajectories_per_prompt=cfg.N,
-            stale_steps=cfg.fully_async.stale_steps,
-            strategy=make_window_strategy(cfg.fully_async.sliding_window),
+            stale_steps=stale,
+            strategy=make_window_strategy(window),
             datasource=datasource,
             event_log=events,
             ledger=ledger,
@@ -110,6 +115,7 @@ class FullyAsyncController:
         self.timer = StepTimer(clock)
         self._train_records: list[Mapping[str, float]] = []
         self._minibatches = 0
+        self._rollout_done = False  # colocate: the current step's rollout phase has ended
         self._in_boundary = False
         self._started = False
         self._closed = False
@@ -163,10 +169,28 @@ class FullyAsyncController:
     # ------------------------------------------------------------------ trainer side
 
     def fetch(self) -> list[TrajectoryGroup]:
-        """M // N complete groups for one training call (main thread; ``timing/rollout``)."""
+        """M // N complete groups for one training call (main thread; ``timing/rollout``).
+
+        Colocate mode: the first fetch of a step waits for the whole batch (B groups), then pauses
+        rollout (``rollout.partial`` aborts the over-dispatched long tail, else waits for it) before
+        any training, so rollout and training never overlap.
+        """
         self.state.raise_if_error()
+        fa = self.cfg.fully_async
         with self.timer.time("rollout"):
-            return self.state.fetch(self.cfg.groups_per_minibatch, self.cfg.fully_async.fetch_timeout)
+            if self.colocate and not self._rollout_done:
+                self.state.fetch_wait(self.cfg.B, fa.fetch_timeout)
+                self._pause()
+                self._rollout_done = True
+            return self.state.fetch(self.cfg.groups_per_minibatch, fa.fetch_timeout)
+
+    def _pause(self) -> None:
+        fa = self.cfg.fully_async
+        t0 = self.clock()
+        self.producer.pause(partial=self.cfg.rollout.partial, timeout=fa.pause_timeout)
+        self.state.drain_collect(fa.pause_timeout)
+        self.state.cleanup_after_pause()
+        self.timer.add("pause_delay", self.clock() - t0)
 
     @contextmanager
     def train_block(self) -> Iterator[None]:
@@ -193,12 +217,8 @@ class FullyAsyncController:
         """
         self.state.raise_if_error()
         step = self.state.rollout_step
-        fa = self.cfg.fully_async
-        t0 = self.clock()
-        self.producer.pause(partial=self.cfg.rollout.partial, timeout=fa.pause_timeout)
-        self.state.drain_collect(fa.pause_timeout)
-        self.state.cleanup_after_pause()
-        self.timer.add("pause_delay", self.clock() - t0)
+        if not self.colocate:
+            self._pause()
 
         metrics = self.state.step_metrics()
         train = aggregate_metrics(self._train_records)
@@ -222,6 +242,7 @@ class FullyAsyncController:
         finally:
             self._in_boundary = False
         self.state.resume()
+        self._rollout_done = False
         timing = self.timer.finish_step()
         for key, value in timing.items():
             metrics[key] = metrics.get(key, 0.0) + value if key.startswith("timing/") else value

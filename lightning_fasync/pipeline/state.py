@@ -360,6 +360,11 @@ class PipelineState:
         self._wake_producer()
         return groups
 
+    def fetch_wait(self, k: int, timeout: float) -> None:
+        """Wait until the buffer holds ``k`` groups, without taking them (colocate's rollout phase)."""
+        with self.cond:
+            self._wait_locked(k, timeout)
+
     def fetch(self, k: int, timeout: float) -> list[TrajectoryGroup]:
         """Wait until the buffer holds ``k`` groups and pop them (main thread).
 
@@ -367,9 +372,16 @@ class PipelineState:
             PipelineError: after ``timeout`` seconds, when a rollout thread failed, or when the
                 datasource ran out before ``k`` groups could be produced.
         """
-        deadline = time.monotonic() + timeout
         with self.cond:
-            self._fetch_want = k
+            self._wait_locked(k, timeout)
+            groups = self._pop_locked(k)
+        self._wake_producer()
+        return groups
+
+    def _wait_locked(self, k: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self._fetch_want = k
+        try:
             while len(self.buffer) < k:
                 self.raise_if_error()
                 if self.exhausted and self.R == 0 and self.in_flight == 0:
@@ -385,11 +397,9 @@ class PipelineState:
                         f"{self.in_flight} trajectories in flight. Is the rollout engine generating?"
                     )
                 self._fetch_cv.wait(min(remaining, 0.25))
+        finally:
             self._fetch_want = 1 << 62
-            self.raise_if_error()
-            groups = self._pop_locked(k)
-        self._wake_producer()
-        return groups
+        self.raise_if_error()
 
     def _pop_locked(self, k: int) -> list[TrajectoryGroup]:
         groups = self.buffer.pop(k)

@@ -1,0 +1,157 @@
+"""RLPolicyModule: a causal-LM policy trained with GRPO/PPO and the off-policy corrections.
+
+One ``training_step`` is one training call of the spec's step protocol: M // N complete groups
+(filled into the :class:`~lightning_fasync.lightning.batch.RolloutBatch` by the callback) →
+padded tensors → old log-probs under the step-start snapshot → loss → metrics. The metrics of
+each call are handed to the callback, which aggregates them at the step boundary and logs them
+once per rollout step; nothing here calls ``self.log`` for ``train/*``.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Optional
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_fasync.algorithms import (
+    OldActorSnapshot,
+    compute_advantages,
+    compute_policy_loss,
+    mask_offpolicy_tokens,
+)
+from lightning_fasync.config import FasyncConfig
+from lightning_fasync.lightning.batch import PolicyBatch, RolloutBatch, collate_groups, rollout_dataloader
+from lightning_fasync.types import TrajectoryGroup
+
+
+def token_log_probs(model: torch.nn.Module, batch: PolicyBatch, with_entropy: bool = False):
+    """Log-probs of each next token (``[B, L-1]``), and optionally the per-token entropy."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    log_probs_all = torch.log_softmax(logits, dim=-1)
+    target = batch.input_ids[:, 1:].unsqueeze(-1)
+    log_probs = log_probs_all.gather(-1, target).squeeze(-1)
+    if not with_entropy:
+        return log_probs, None
+    entropy = -(log_probs_all.exp() * log_probs_all).sum(-1)
+    return log_probs, entropy
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """``perf/train_memory_{allocated,reserved}_max`` in GiB: CUDA's peak counters on GPU; on CPU
+    the process's peak resident set size (both keys), the closest CPU notion."""
+    if device.type == "cuda":
+        return {
+            "perf/train_memory_allocated_max": torch.cuda.max_memory_allocated(device) / 2**30,
+            "perf/train_memory_reserved_max": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # KiB on Linux
+    return {"perf/train_memory_allocated_max": rss, "perf/train_memory_reserved_max": rss}
+
+
+class RLPolicyModule(pl.LightningModule):
+    """A Hugging Face causal LM trained on fully-async rollouts.
+
+    Arguments:
+        model: a local Hugging Face directory (config + safetensors + tokenizer) or a preset name
+            (``tiny``: the embedded default, built from a config, no download).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        snapshot_offload: keep the old-actor snapshot in CPU memory (see ``OldActorSnapshot``).
+
+    The algorithm settings (``algorithm.*``, ``trainer.use_rollout_log_probs``,
+    ``rollout.mask_offpolicy_in_partial_rollout``) come from the plugin config, which
+    ``FullyAsyncCallback`` hands over in ``setup``.
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny",
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.99),
+        snapshot_offload: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        from lightning_fasync.policy import build_policy
+
+        self.model_name_or_path = model
+        self.policy, self.tokenizer = build_policy(model)
+        self.policy.train()
+        self.fasync_config: Optional[FasyncConfig] = None
+        self.snapshot = OldActorSnapshot(self.policy, offload_to_cpu=snapshot_offload)
+        self.last_metrics: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ plugin hooks
+
+    @property
+    def engine_model(self) -> str:
+        """What the rollout engines load at start: the same preset or directory."""
+        return self.model_name_or_path
+
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights pushed to the engines at each step boundary (Hugging Face names)."""
+        return {k: v.detach() for k, v in self.policy.state_dict().items()}
+
+    def begin_rollout_step(self, step: int) -> None:
+        """A new outer step starts: the old-actor snapshot of the previous one is stale."""
+        self.snapshot.begin_step(step)
+
+    # ------------------------------------------------------------------ Lightning
+
+    def prepare_rollout_batch(self, groups: list[TrajectoryGroup]) -> PolicyBatch:
+        """Groups → padded tensors on this module's device (the callback times it as
+        ``timing/process_traj``, outside the training block)."""
+        data = collate_groups(groups, self.tokenizer.pad_token_id)
+        return PolicyBatch(**{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in vars(data).items()})
+
+    def train_dataloader(self):
+        return rollout_dataloader()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(
+            self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=self.hparams.betas
+        )
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
+        cfg = self.fasync_config or FasyncConfig()
+        if batch.groups is None:
+            raise RuntimeError("training_step got an unfilled RolloutBatch: add FullyAsyncCallback to the Trainer.")
+        data = batch.data if batch.data is not None else self.prepare_rollout_batch(batch.groups)
+        mask = data.response_mask
+        if cfg.rollout.mask_offpolicy_in_partial_rollout:
+            mask = mask_offpolicy_tokens(mask, data.weight_versions).to(mask.dtype)
+
+        rewards = data.rewards
+        advantages, nan_mask = compute_advantages(rewards, cfg.algorithm)
+        advantages = advantages.reshape(-1).to(self.device)
+        nan_mask = nan_mask.reshape(-1).to(self.device)
+
+        if cfg.trainer.use_rollout_log_probs:
+            old_log_probs = data.rollout_log_probs
+        else:
+            with torch.no_grad(), self.snapshot.use_old_weights():
+                old_log_probs, _ = token_log_probs(self.policy, data)
+        want_entropy = True
+        log_probs, entropy = token_log_probs(self.policy, data, with_entropy=want_entropy)
+        loss, metrics = compute_policy_loss(
+            log_probs,
+            old_log_probs,
+            data.rollout_log_probs,
+            advantages,
+            mask,
+            cfg.algorithm,
+            entropy=entropy,
+            nan_mask=nan_mask,
+        )
+        metrics.update(memory_metrics(self.device))
+        self.last_metrics = metrics
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else torch.tensor(0.0)
+        self.last_metrics["train/grad_norm"] = float(norm)

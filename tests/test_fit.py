@@ -1,0 +1,124 @@
+"""End to end: `lightning-fasync fit` on the embedded default, through the real CLI, real engine
+processes on 127.0.0.1, TensorBoard event files read back with TensorBoard's own reader."""
+
+import glob
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_fasync.pipeline.events import EVENTS, read_jsonl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(REPO, "configs", "tiny_cpu.yaml")
+
+# Spec section 4 (fully-async), plus the training metrics it names.
+SPEC_METRICS = {
+    "rollout/pipeline_buf_size", "rollout/filter_drop", "rollout/partial_ratio", "rollout/partial_span_max",
+    "rollout/partial_restored_count", "rollout/partial_dropped_incomplete_count", "timing/pause_delay",
+    "perf/wait_ratio", "timing/rollout", "timing/process_traj", "timing/train", "timing/step", "timing/update_weights", "timing/save_ckpt",
+    "train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/approx_kl", "train/clip_ratio",
+    "train/dual_clip_ratio", "train/nan_ratio", "train/is_mean", "train/is_max", "train/is_clip_ratio",
+    "perf/train_memory_allocated_max", "perf/train_memory_reserved_max",
+    "rollout/reward_mean", "rollout/response_length_mean", "rollout/response_length_max",
+}
+
+
+def run_fit(tmp_path, *extra, timeout=600):
+    cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", TINY,
+           f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def scalars(log_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+    assert files, f"no TensorBoard event file in {log_dir}"
+    acc = EventAccumulator(files[0])
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_fit_end_to_end(tmp_path):
+    steps = 4
+    proc = run_fit(tmp_path, f"--trainer.max_steps={steps * 4}", "--trainer.save_freq=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
+
+    # Checkpoints on save_freq, with the pipeline state inside.
+    ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(log_dir, "checkpoints", "*.ckpt")))
+    assert ckpts == ["last.ckpt", "step-000001.ckpt", "step-000003.ckpt"]
+    import torch
+
+    ckpt = torch.load(os.path.join(log_dir, "checkpoints", "last.ckpt"), weights_only=True, map_location="cpu")
+    (cb_state,) = [v for k, v in ckpt["callbacks"].items() if "FullyAsyncCallback" in k]
+    assert cb_state["pipeline"]["rollout_step"] == 4 and cb_state["pipeline"]["weight_version"] == 4
+
+    # The spec's metric names in TensorBoard, finite, once per rollout step at step = rollout step.
+    tb = scalars(log_dir)
+    missing = SPEC_METRICS - set(tb)
+    assert not missing, f"missing metrics: {sorted(missing)}"
+    for name in SPEC_METRICS:
+        values = tb[name]
+        assert all(math.isfinite(v) for _, v in values), name
+    assert [s for s, _ in tb["train/loss"]] == list(range(steps))
+    assert [s for s, _ in tb["timing/save_ckpt"]] == [1, 3]
+    assert all(0 <= v <= 1 for _, v in tb["rollout/reward_mean"])
+
+    # Ledger: B groups consumed per step, each prompt once.
+    ledger = read_jsonl(os.path.join(log_dir, "ledger.jsonl"))
+    consumed = [r for r in ledger if r["kind"] == "consume"]
+    assert len(consumed) == steps * 16
+    assert len({r["prompt"] for r in consumed}) == len(consumed)
+    assert sorted({r["step"] for r in consumed}) == list(range(steps))
+    events = read_jsonl(os.path.join(log_dir, "events.jsonl"))
+    assert {e["event"] for e in events} == set(EVENTS)
+
+
+def test_fit_refuses_a_bad_config_before_starting_anything(tmp_path):
+    proc = run_fit(tmp_path, "--fully_async.stale_steps=-1", timeout=120)
+    assert proc.returncode == 2
+    assert "`fully_async.stale_steps` is -1.0; it must be >= 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not glob.glob(os.path.join(tmp_path, "lightning_logs", "*", "events.jsonl"))
+
+
+def test_print_config_lists_every_spec_key(tmp_path):
+    proc = run_fit(tmp_path, "--print_config", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for key in ("fully_async:", "sliding_window: windowed-fifo", "stale_steps: 1.0", "colocate: false", "run_mode: default",
+                "num_prompts_per_step: 16", "mini_batch_size: 32", "save_freq:", "use_rollout_log_probs: false",
+                "num_gpus_per_node:", "sglang_replicas:", "num_oversample: 0", "partial: true",
+                "mask_offpolicy_in_partial_rollout:", "max_running_requests:", "max_connections: 512", "m2po:", "opsm:",
+                "is_correction:"):
+        assert key in out, key
+
+
+def test_spec_launch_line_has_a_direct_equivalent(tmp_path):
+    cfg = os.path.join(REPO, "configs", "qwen3_30b_a3b", "dapo_h20_1node.yaml")
+    cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", cfg, "--colocate=false",
+           "--fully_async.enable=true", "--print_config"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "colocate: false" in proc.stdout and "enable: true" in proc.stdout
+    assert "num_prompts_per_step: 64" in proc.stdout and "mini_batch_size: 128" in proc.stdout
+    assert "max_response_length: 20480" in proc.stdout
+
+
+@pytest.mark.slow
+def test_embedded_default_learns(tmp_path):
+    """The default run (120 rollout steps, ~2 minutes on 2 cores) lifts mean reward by >= 0.3."""
+    from lightning_fasync.plots import read_scalars
+
+    proc = run_fit(tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
+    rewards = [v for _, v in read_scalars(log_dir)["rollout/reward_mean"]]
+    assert len(rewards) == 120
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last - first >= 0.3, (first, last)
