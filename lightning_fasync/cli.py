@@ -113,6 +113,7 @@ def _simulate(argv: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv_is_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ("simulate", "serve", "fit")
     if not argv or argv[0] in ("-h", "--help"):
@@ -132,9 +133,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from lightning_fasync.rollout.server import main as serve_main
 
             return serve_main(rest)
-        from lightning_fasync.lightning.cli import main as fit_main  # type: ignore[import-not-found]
+        from lightning_fasync.lightning.cli import main as fit_main
 
-        return fit_main(rest)
+        # `lightning-fasync fit ...` as a process: LightningCLI reads sys.argv itself, so that a
+        # DDP launcher can re-run the same command line for each rank.
+        return fit_main(None if argv_is_process else rest)
     except ConfigError as exc:
         print(f"lightning-fasync {command}: error: {exc}", file=sys.stderr)
         return 2

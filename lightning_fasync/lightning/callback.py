@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional, Union
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_fasync.config import FasyncConfig, config_from_dict, validate
+from lightning_fasync.config import ConfigError, FasyncConfig, config_from_dict, validate
 from lightning_fasync.lightning.batch import RolloutBatch
 from lightning_fasync.lightning.runtime import RolloutRuntime, engine_tensors
 from lightning_fasync.lightning.strategy import plan_cpu_resources
@@ -73,6 +73,9 @@ class FullyAsyncCallback(Callback):
         self.runtime: Optional[RolloutRuntime] = None
         self._pending_state: Optional[dict[str, Any]] = None
         self._train_block = None
+        self._rank, self._world = 0, 1
+        self._step = 0  # the rollout step every rank is training
+        self._calls = 0  # training calls in the current step
         self._trainer: Optional[pl.Trainer] = None
         self._module: Optional[pl.LightningModule] = None
         self._closed = False
@@ -94,6 +97,16 @@ class FullyAsyncCallback(Callback):
         else:
             plan, engine_threads = plan_cpu_resources(1, colocate=colocate), None
         self.log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
+        self._rank, self._world = trainer.global_rank, trainer.world_size
+        if self._world > 1 and cfg.groups_per_minibatch % self._world:
+            raise ConfigError(
+                f"`trainer.mini_batch_size` is {cfg.M}: each training call has M // N = {cfg.groups_per_minibatch} "
+                f"groups, which {self._world} data-parallel ranks cannot share evenly; make M // N a multiple of "
+                "the world size."
+            )
+        if self._rank != 0:
+            # Only global rank 0 runs engines, producer and collector (DESIGN.md, process model).
+            return
         engine_model = self.engine_model or getattr(pl_module, "engine_model", None)
         if not engine_model:
             raise PipelineError(
@@ -120,55 +133,106 @@ class FullyAsyncCallback(Callback):
         return self.controller.state_dict() if self.controller is not None else {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        ctl = self._require_controller()
-        if self._pending_state is not None:
-            ctl.load_state_dict(self._pending_state)
-            self._pending_state = None
-        # The engines start from the preset or directory; the trainer's weights may differ (a
-        # restored checkpoint, a warm start), so they get the trainer's before any generation.
-        self.sync_weights(ctl.weight_version)
-        ctl.start()
+        step = -1
+        if self._rank == 0:
+            ctl = self._require_controller()
+            if self._pending_state is not None:
+                ctl.load_state_dict(self._pending_state)
+                self._pending_state = None
+            # The engines start from the preset or directory; the trainer's weights may differ (a
+            # restored checkpoint, a warm start), so they get the trainer's before any generation.
+            self.sync_weights(ctl.weight_version)
+            ctl.start()
+            step = ctl.rollout_step
+        self._step = self._broadcast(trainer, step)
+        self._calls = 0
         self._begin_step(pl_module)
 
     # ------------------------------------------------------------------ the step
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        ctl = self._require_controller()
         if not isinstance(batch, RolloutBatch):
             raise TypeError(
                 f"FullyAsyncCallback expects RolloutBatch tickets from the dataloader, got {type(batch).__name__}; "
-                "return lightning_fasync.lightning.batch.rollout_dataloader() from train_dataloader()."
+                "return lightning_fasync.lightning.rollout_dataloader() from train_dataloader() or pass it to fit()."
             )
-        batch.groups = ctl.fetch()
-        batch.rollout_step = ctl.rollout_step
+        ctl = self.controller
+        groups = ctl.fetch() if self._rank == 0 else None
+        if self._world > 1:
+            # Rank 0 fetched on its main thread; every rank trains on its share of the mini-batch.
+            groups = self._broadcast(trainer, groups)[self._rank :: self._world]
+        batch.groups = groups
+        batch.rollout_step = self._step
         prepare = getattr(pl_module, "prepare_rollout_batch", None)
         if callable(prepare):
             # Trajectory processing is wait, not training (spec section 4, perf/wait_ratio).
-            with ctl.timer.time("process_traj"):
+            if ctl is not None:
+                with ctl.timer.time("process_traj"):
+                    batch.data = prepare(batch.groups)
+            else:
                 batch.data = prepare(batch.groups)
-        self._train_block = ctl.train_block()
-        self._train_block.__enter__()
+        if ctl is not None:
+            self._train_block = ctl.train_block()
+            self._train_block.__enter__()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        ctl = self._require_controller()
+        ctl = self.controller
         if self._train_block is not None:
             self._train_block.__exit__(None, None, None)
             self._train_block = None
-        ctl.record(getattr(pl_module, "last_metrics", {}) or {})
-        if not ctl.minibatch_done():
+        metrics = dict(getattr(pl_module, "last_metrics", {}) or {})
+        if self._world > 1:
+            metrics = self._reduce(trainer, metrics)
+        self._calls += 1
+        if ctl is not None:
+            ctl.record(metrics)
+            ctl.minibatch_done()
+        if self._calls < self.cfg.minibatches_per_step:
             return
-        step, metrics = ctl.step_boundary(self)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-        shown = {"step": float(step)}
-        shown.update({short: metrics[key] for key, short in PROGRESS_KEYS.items() if key in metrics})
-        pl_module.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        self._calls = 0
+        if ctl is not None:
+            step, step_metrics = ctl.step_boundary(self)
+            for logger in trainer.loggers:
+                logger.log_metrics(step_metrics, step=step)
+            shown = {"step": float(step)}
+            shown.update({short: step_metrics[key] for key, short in PROGRESS_KEYS.items() if key in step_metrics})
+            pl_module.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+        else:
+            # The other ranks take part in the boundary's collectives in rank 0's order.
+            save_freq = self.cfg.trainer.save_freq
+            if save_freq > 0 and (self._step + 1) % save_freq == 0:
+                self.save_checkpoint(self._step)
+        self._step = self._broadcast(trainer, self.controller.rollout_step if ctl is not None else -1)
         self._begin_step(pl_module)
 
     def _begin_step(self, pl_module: pl.LightningModule) -> None:
         begin = getattr(pl_module, "begin_rollout_step", None)
         if callable(begin):
-            begin(self._require_controller().rollout_step)
+            begin(self._step)
+
+    def _broadcast(self, trainer: pl.Trainer, obj: Any) -> Any:
+        return trainer.strategy.broadcast(obj, src=0) if self._world > 1 else obj
+
+    @staticmethod
+    def _reduce(trainer: pl.Trainer, metrics: dict[str, float]) -> dict[str, float]:
+        """Reduce one training call's metrics over ranks by the spec's naming rule (main thread)."""
+        import torch
+        import torch.distributed as dist
+
+        from lightning_fasync.pipeline.metrics import aggregation_rule
+
+        keys = sorted(metrics)
+        out: dict[str, float] = {}
+        for rule, op in (("mean", dist.ReduceOp.SUM), ("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+            names = [k for k in keys if aggregation_rule(k) == rule]
+            if not names:
+                continue
+            t = torch.tensor([metrics[k] for k in names], dtype=torch.float64, device=trainer.strategy.root_device)
+            dist.all_reduce(t, op=op)
+            if rule == "mean":
+                t /= trainer.world_size
+            out.update(zip(names, t.tolist()))
+        return out
 
     # ------------------------------------------------------------------ StepHooks
 
@@ -181,7 +245,8 @@ class FullyAsyncCallback(Callback):
         last = os.path.join(directory, "last.ckpt")
         tmp = last + ".tmp"
         trainer.save_checkpoint(tmp, weights_only=False)
-        os.replace(tmp, last)  # atomic: a kill mid-save never leaves a torn last.ckpt
+        if trainer.is_global_zero:  # the rank that wrote it
+            os.replace(tmp, last)  # atomic: a kill mid-save never leaves a torn last.ckpt
 
     def sync_weights(self, version: int) -> None:
         module, runtime = self._module, self.runtime

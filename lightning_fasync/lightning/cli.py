@@ -127,12 +127,17 @@ def _plain(obj: Any) -> Any:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-fasync fit ...``: returns the exit status."""
-    args = ["fit", *(sys.argv[2:] if argv is None else list(argv))]
-    if not any(a.startswith("--weights_only") for a in args):
-        # Resume reads the checkpoint with torch.load(weights_only=True): no arbitrary pickle.
-        args.append("--weights_only=true")
-    saved_argv = sys.argv
-    sys.argv = sys.argv[:1]  # the arguments are passed explicitly; LightningCLI warns about both
+    if argv is None:
+        # Parse the process's own command line (`lightning-fasync fit ...`): a DDP launcher
+        # re-runs exactly that command line in each rank's process.
+        if not any(a.startswith("--weights_only") for a in sys.argv):
+            # Resume reads the checkpoint with torch.load(weights_only=True): no arbitrary pickle.
+            sys.argv.append("--weights_only=true")
+        args = None
+    else:
+        args = ["fit", *argv]
+        if not any(a.startswith("--weights_only") for a in args):
+            args.append("--weights_only=true")
     try:
         FasyncCLI(
             RLPolicyModule,
@@ -144,6 +149,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"lightning-fasync fit: error: {exc}", file=sys.stderr)
         return 2
-    finally:
-        sys.argv = saved_argv
     return 0
