@@ -30,6 +30,7 @@ class ReinforcePolicy(pl.LightningModule):
         super().__init__()
         self.lr = lr
         self.policy, self.tokenizer = build_policy("tiny")
+        self.policy.train()
 
     def training_step(self, batch, batch_idx):
         losses, rewards = [], []

@@ -324,10 +324,13 @@ class Simulation:
         self.now += self.sim.pause_overhead_s
         metrics = self.state.step_metrics()
         metrics["timing/pause_delay"] = self.now - t0
-        self.events.emit("sync", step=self.state.rollout_step, R=self.state.R, Q=self.state.Q)
         self.now += self.sim.weight_sync_s
+        self.events.emit("sync", step=self.state.rollout_step, R=self.state.R, Q=self.state.Q, dur=self.sim.weight_sync_s)
         self.state.resume()
         return metrics
+
+    def _train_event(self, dt: float) -> None:
+        self.events.emit("train", step=self.state.rollout_step, R=self.state.R, Q=self.state.Q, dur=dt)
 
     # ------------------------------------------------------------------ modes
 
@@ -340,7 +343,9 @@ class Simulation:
                 for _ in range(calls):
                     self._run_until_buffer(mb_groups)
                     groups = self.state.try_fetch(mb_groups)
-                    self._run_until(self.now + self._train_seconds(groups))
+                    dt = self._train_seconds(groups)
+                    self._run_until(self.now + dt)
+                    self._train_event(dt)
                 metrics = self._boundary()
             else:
                 # Colocate: roll out the batch on every GPU, then train on every GPU.
@@ -354,9 +359,12 @@ class Simulation:
                 self.now += self.sim.colocate_switch_s
                 for _ in range(calls):
                     groups = self.state.try_fetch(mb_groups)
-                    self.now += self._train_seconds(groups)
+                    dt = self._train_seconds(groups)
+                    self.now += dt
+                    self._train_event(dt)
                 metrics = self.state.step_metrics()
                 self.now += self.sim.weight_sync_s
+                self.events.emit("sync", step=self.state.rollout_step, R=self.state.R, Q=self.state.Q, dur=self.sim.weight_sync_s)
                 self.state.resume()
             self.step_times.append(self.now - last)
             last = self.now

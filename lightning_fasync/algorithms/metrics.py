@@ -13,23 +13,12 @@ from typing import Iterable, Union
 
 import torch
 
+from lightning_fasync.algorithms.policy_loss import LOSS_METRIC_KEYS
+
 __all__ = ["METRIC_KEYS", "grad_norm_metric"]
 
-METRIC_KEYS = (
-    "train/loss",
-    "train/pg_loss",
-    "train/entropy",
-    "train/grad_norm",
-    "train/approx_kl",
-    "train/clip_ratio",
-    "train/dual_clip_ratio",
-    "train/nan_ratio",
-    "train/is_mean",
-    "train/is_max",
-    "train/is_clip_ratio",
-    "train/m2po_mask_ratio",
-    "train/opsm_mask_ratio",
-)
+# The loss's own keys plus train/grad_norm (which only exists after backward()).
+METRIC_KEYS = (*LOSS_METRIC_KEYS[:3], "train/grad_norm", *LOSS_METRIC_KEYS[3:])
 """Every ``train/*`` metric of the algorithms package, ``train/grad_norm`` included."""
 
 

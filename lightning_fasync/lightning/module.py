@@ -19,6 +19,7 @@ from lightning_fasync.algorithms import (
     OldActorSnapshot,
     compute_advantages,
     compute_policy_loss,
+    grad_norm_metric,
     mask_offpolicy_tokens,
 )
 from lightning_fasync.config import FasyncConfig
@@ -152,6 +153,5 @@ class RLPolicyModule(pl.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else torch.tensor(0.0)
-        self.last_metrics["train/grad_norm"] = float(norm)
+        # Before Lightning's gradient clipping: the unclipped norm.
+        self.last_metrics.update(grad_norm_metric(self.policy.parameters()))

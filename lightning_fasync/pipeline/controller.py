@@ -195,8 +195,11 @@ class FullyAsyncController:
     @contextmanager
     def train_block(self) -> Iterator[None]:
         """Wrap the forward/backward/optimizer work of one training call (``timing/train``)."""
+        t0 = self.clock()
         with self.timer.train():
             yield
+        st = self.state
+        st.events.emit("train", R=st.R, Q=st.Q, step=st.rollout_step, dur=round(self.clock() - t0, 6))
 
     def record(self, metrics: Mapping[str, float]) -> None:
         """Cache one training call's metrics for step-end aggregation."""
@@ -236,9 +239,13 @@ class FullyAsyncController:
                     hooks.save_checkpoint(step)
                 self.state.ledger.record("checkpoint", step=step, resume_step=step + 1)
                 self.state.ledger.flush()
+            t0 = self.clock()
             with self.timer.time("update_weights"):
                 hooks.sync_weights(self.state.weight_version + 1)
-            self.state.events.emit("sync", R=self.state.R, Q=self.state.Q, step=step, weight_version=self.state.weight_version + 1)
+            self.state.events.emit(
+                "sync", R=self.state.R, Q=self.state.Q, step=step, weight_version=self.state.weight_version + 1,
+                dur=round(self.clock() - t0, 6),
+            )
         finally:
             self._in_boundary = False
         self.state.resume()

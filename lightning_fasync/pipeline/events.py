@@ -1,8 +1,9 @@
 """The event log and the ledger (DESIGN.md, "Observability").
 
 - Event log: one JSON object per line, keys ``t``, ``event`` (dispatch | complete | collect |
-  consume | pause | resume | sync), ``seq``, ``prompt``, ``R``, ``Q``, ``step``. A live run and the
-  simulator write the same format, so one timeline tool reads both.
+  consume | train | pause | resume | sync), ``seq``, ``prompt``, ``R``, ``Q``, ``step``. ``train``
+  (one training call) and ``sync`` carry ``dur``, their duration, and are written when they end.
+  A live run and the simulator write the same format, so one timeline tool reads both.
 - Ledger: one line per consumed group and per recycled or dropped prompt, so exactly-once
   consumption can be audited after a crash and resume.
 """
@@ -14,7 +15,7 @@ import os
 import threading
 from typing import Any, Callable, Optional, TextIO
 
-EVENTS = ("dispatch", "complete", "collect", "consume", "pause", "resume", "sync")
+EVENTS = ("dispatch", "complete", "collect", "consume", "train", "pause", "resume", "sync")
 
 # One encoder for every line: json.dumps with non-default separators builds a new encoder per
 # call, which dominated the cost of a step boundary that recycles hundreds of groups.
