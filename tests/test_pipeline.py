@@ -346,3 +346,18 @@ def test_colocate_rolls_out_the_batch_then_trains(tmp_path, partial, oversample)
             assert not paused
         elif e["event"] == "consume":
             assert paused, "colocate trains only after the rollout phase paused"
+
+
+def test_event_log_lines_are_json_with_the_fixed_keys(tmp_path):
+    from lightning_fasync.pipeline.events import EventLog
+    from lightning_fasync.types import PromptId
+
+    path = str(tmp_path / "e.jsonl")
+    log = EventLog(path, clock=lambda: 1.2345678)
+    log.emit("dispatch", seq=3, prompt=PromptId(0, 5), R=1, Q=2, step=0)  # the formatted fast path
+    log.emit("train", step=1, R=0, Q=4, dur=0.5)  # with extra keys: the encoder
+    log.close()
+    assert read_jsonl(path) == [
+        {"t": 1.234568, "event": "dispatch", "seq": 3, "prompt": "0:5", "R": 1, "Q": 2, "step": 0},
+        {"t": 1.234568, "event": "train", "seq": -1, "prompt": None, "R": 0, "Q": 4, "step": 1, "dur": 0.5},
+    ]

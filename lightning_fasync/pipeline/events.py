@@ -65,12 +65,21 @@ class EventLog(_JsonlWriter):
         self.clock = clock
 
     def emit(self, event: str, *, seq: int = -1, prompt: Any = None, R: int = 0, Q: int = 0, step: int = 0, **extra: Any) -> None:
-        if self._fh is None:
+        fh = self._fh
+        if fh is None:
             return
-        record = {"t": round(self.clock(), 6), "event": event, "seq": seq, "prompt": None if prompt is None else str(prompt), "R": R, "Q": Q, "step": step}
         if extra:
-            record.update(extra)
-        self.write(record)
+            record = {"t": round(self.clock(), 6), "event": event, "seq": seq, "prompt": None if prompt is None else str(prompt),
+                      "R": R, "Q": Q, "step": step, **extra}
+            self.write(record)
+            return
+        # The hot path (four events per group): the fixed schema formatted directly, which is the
+        # same JSON the encoder writes for these types (a prompt id is "epoch:index").
+        p = "null" if prompt is None else f'"{prompt}"'
+        line = f'{{"t":{round(self.clock(), 6)!r},"event":"{event}","seq":{seq},"prompt":{p},"R":{R},"Q":{Q},"step":{step}}}\n'
+        with self._lock:
+            if self._fh is not None:
+                self._fh.write(line)
 
 
 class Ledger(_JsonlWriter):

@@ -57,8 +57,25 @@ class InstantEngine(EngineClient):
         return GenerateResult(request.rid, [5] * n, [-1.0] * n, [version] * n, reason, len(request.input_ids))
 
     async def generate_batch(self, requests):
-        if self.hold or self.fail_fn is not None:
+        if self.fail_fn is not None:
             return await super().generate_batch(requests)
+        if self.hold:
+            # One future per request, awaited together: a batching engine (SGLang takes a list of
+            # prompts in one /generate) keeps no task per request.
+            loop = asyncio.get_running_loop()
+            futs = []
+            for request in requests:
+                self.requests += 1
+                fut = loop.create_future()
+                self._held[request.rid] = fut
+                futs.append(fut)
+            version = self.version_fn()
+            try:
+                await asyncio.gather(*futs)
+            finally:
+                for request in requests:
+                    self._held.pop(request.rid, None)
+            return [GenerateResult(r.rid, [7], [-0.5], [version], "abort", len(r.input_ids)) for r in requests]
         # The fast path: no task per request, so the benchmark measures the pipeline.
         out = []
         version = self.version_fn()

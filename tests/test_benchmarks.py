@@ -1,0 +1,36 @@
+"""Benchmarks are not tests; this only checks that the speedup benchmark's machinery runs
+(two short modes, table, timeline picture in PNG and in TensorBoard). No timing is asserted."""
+
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_speedup_benchmark_smoke(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import speedup
+    finally:
+        sys.path.pop(0)
+    modes = dict(speedup.MODES)
+    rows = [speedup.run_mode(name, modes[name], 2, str(tmp_path), []) for name in ("colocate", "fully_async (windowed-fifo, stale = 1.0)")]
+    text = speedup.table(rows, bound=1.5)
+    assert "| colocate |" in text and "| fully_async (windowed-fifo, stale = 1.0) |" in text
+    assert rows[0]["pipeline_buf_size"] is None and rows[1]["pipeline_buf_size"] is not None
+    for r in rows:
+        assert os.path.getsize(r["timeline"]) > 10_000
+        assert r["rollout_s"] >= 0 and r["train_s"] > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    import glob
+
+    log_dir = glob.glob(os.path.join(tmp_path, "colocate", "lightning_logs", "version_*"))[0]
+    images = []
+    for f in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
+        acc = EventAccumulator(f)
+        acc.Reload()
+        images += acc.Tags()["images"]
+    assert "timeline" in images
