@@ -177,6 +177,9 @@ def launch_server(
         env["FASYNC_ENGINE_API_KEY"] = api_key  # not on the command line, where `ps` shows it
     # Keep OpenMP from spinning more threads than asked for.
     env.setdefault("OMP_NUM_THREADS", str(threads))
+    # Idle OpenMP workers sleep instead of spinning: an engine waiting between steps (colocate's
+    # training phase, a paused pipeline) must not steal the cores it shares with the trainer.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     cmd += list(extra_args)
     proc, log_path = _spawn(cmd, f"engine-{port}", env)
     handle = ServerHandle(proc, f"http://{host}:{port}", log_path, f"engine@{port}")
