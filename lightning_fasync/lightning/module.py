@@ -27,15 +27,21 @@ from lightning_fasync.lightning.batch import PolicyBatch, RolloutBatch, collate_
 from lightning_fasync.types import TrajectoryGroup
 
 
-def token_log_probs(model: torch.nn.Module, batch: PolicyBatch, with_entropy: bool = False):
-    """Log-probs of each next token (``[B, L-1]``), and optionally the per-token entropy."""
+def token_log_probs(model: torch.nn.Module, batch: PolicyBatch, with_entropy: bool = False, entropy_grad: bool = False):
+    """Log-probs of each next token (``[B, L-1]``), and optionally the per-token entropy.
+
+    The entropy keeps its graph only with ``entropy_grad`` (an entropy bonus in the loss); for the
+    ``train/entropy`` metric alone it is computed without one, which saves a ``[B, L, vocab]``
+    activation.
+    """
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
     log_probs_all = torch.log_softmax(logits, dim=-1)
     target = batch.input_ids[:, 1:].unsqueeze(-1)
     log_probs = log_probs_all.gather(-1, target).squeeze(-1)
     if not with_entropy:
         return log_probs, None
-    entropy = -(log_probs_all.exp() * log_probs_all).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(log_probs_all.exp() * log_probs_all).sum(-1)
     return log_probs, entropy
 
 
@@ -136,8 +142,9 @@ class RLPolicyModule(pl.LightningModule):
         else:
             with torch.no_grad(), self.snapshot.use_old_weights():
                 old_log_probs, _ = token_log_probs(self.policy, data)
-        want_entropy = True
-        log_probs, entropy = token_log_probs(self.policy, data, with_entropy=want_entropy)
+        log_probs, entropy = token_log_probs(
+            self.policy, data, with_entropy=True, entropy_grad=cfg.algorithm.entropy_coef != 0.0
+        )
         loss, metrics = compute_policy_loss(
             log_probs,
             old_log_probs,

@@ -1,0 +1,53 @@
+"""RLPolicyModule's batch assembly: response positions line up with the logits that predict them."""
+
+import math
+
+import torch
+
+from lightning_fasync.lightning.batch import collate_groups
+from lightning_fasync.lightning.module import RLPolicyModule, token_log_probs
+from lightning_fasync.types import PromptId, PromptSample, Trajectory, TrajectoryGroup, TrajectoryStatus
+
+
+def traj(prompt, response, versions, reward, index):
+    t = Trajectory(prompt_id=PromptId(0, 0), sample_index=index, prompt_ids=prompt, status=TrajectoryStatus.COMPLETED, reward=reward)
+    t.extend(response, [-0.5 - i for i in range(len(response))], versions)
+    return t
+
+
+def test_collate_aligns_response_tokens_with_their_predicting_positions():
+    module = RLPolicyModule("tiny")
+    sample = PromptSample(PromptId(0, 0), [1, 10, 11])
+    group = TrajectoryGroup(sample, 0, [traj([1, 10, 11], [20, 21, 2], [0, 0, 1], 1.0, 0), traj([1, 10, 11], [22], [1], float("nan"), 1)])
+    batch = collate_groups([group], module.tokenizer.pad_token_id)
+    assert batch.input_ids.tolist() == [[1, 10, 11, 20, 21, 2], [1, 10, 11, 22, 0, 0]]
+    # Position t predicts token t + 1: the response starts being predicted at len(prompt) - 1.
+    assert batch.response_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert batch.rollout_log_probs[0, 2:].tolist() == [-0.5, -1.5, -2.5]
+    assert batch.weight_versions.tolist() == [[-1, -1, 0, 0, 1], [-1, -1, 1, -1, -1]]
+    assert batch.rewards.shape == (1, 2) and math.isnan(batch.rewards[0, 1])
+
+    log_probs, entropy = token_log_probs(module.policy, batch, with_entropy=True)
+    with torch.no_grad():
+        logits = module.policy(input_ids=batch.input_ids[:1]).logits[0].float()
+    expected = [torch.log_softmax(logits[p], -1)[tok].item() for p, tok in [(2, 20), (3, 21), (4, 2)]]
+    assert torch.allclose(log_probs[0, 2:5], torch.tensor(expected), atol=1e-5)
+    assert not entropy.requires_grad and torch.all(entropy >= 0)
+
+
+def test_training_step_gives_a_finite_loss_and_the_train_metrics():
+    from lightning_fasync.config import FasyncConfig
+    from lightning_fasync.lightning.batch import RolloutBatch
+
+    module = RLPolicyModule("tiny")
+    module.fasync_config = FasyncConfig()
+    sample = PromptSample(PromptId(0, 0), [1, 10, 11])
+    group = TrajectoryGroup(sample, 0, [traj([1, 10, 11], [20, 21, 2], [0, 0, 0], r, i) for i, r in enumerate([1.0, 0.0, 0.5, 0.25])])
+    module.begin_rollout_step(0)
+    loss = module.training_step(RolloutBatch(groups=[group]), 0)
+    assert torch.isfinite(loss) and loss.requires_grad
+    loss.backward()
+    module.on_before_optimizer_step(None)
+    for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/clip_ratio", "train/nan_ratio",
+                "perf/train_memory_allocated_max"):
+        assert math.isfinite(module.last_metrics[key]), key
