@@ -25,6 +25,7 @@ import csv
 import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -49,7 +50,7 @@ MODES: list[tuple[str, list[str]]] = [
 
 
 def slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower().replace("--", "-")
+    return re.sub(r"-+", "-", "".join(c if c.isalnum() else "-" for c in name)).strip("-").lower()
 
 
 def run_mode(name: str, overrides: list[str], steps: int, out: str, extra: list[str]) -> dict[str, Any]:

@@ -30,6 +30,12 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 DEFAULT_MAX_CONTEXT = 4096
 CONTROL_TIMEOUT_S = 120.0
+# An idle engine that receives a request waits until arrivals pause for ADMIT_QUIET_S (at most
+# ADMIT_MAX_WAIT_S) before its prefill, so a burst (a producer submitting a group, 64 HTTP requests
+# arriving within milliseconds) is prefilled as one batch instead of a lone request first and the
+# rest a few steps later while the server is still parsing them. A busy engine never waits.
+ADMIT_QUIET_S = 0.001
+ADMIT_MAX_WAIT_S = 0.01
 
 
 class EngineDeadError(RuntimeError):
@@ -64,11 +70,16 @@ class EngineRequest:
     created_at: float = field(default_factory=time.monotonic)
     finished_at: Optional[float] = None
     _generator: Optional[torch.Generator] = None
+    _stop_ids: frozenset = frozenset()  # set at admission: stop tokens, plus EOS unless ignore_eos
+    _max_output: int = 0  # set at admission: min(max_new_tokens, context_length - prompt length)
 
     def version_spans(self) -> list[list[Any]]:
         """Runs of equal versions over the output tokens: ``[[start, end, version], ...]``, end exclusive."""
+        versions = self.output_versions
+        if versions and versions.count(versions[0]) == len(versions):  # one version: a C-speed check
+            return [[0, len(versions), versions[0]]]
         spans: list[list[Any]] = []
-        for i, version in enumerate(self.output_versions):
+        for i, version in enumerate(versions):
             if spans and spans[-1][2] == version:
                 spans[-1][1] = i + 1
             else:
@@ -112,7 +123,9 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: list[EngineRequest] = []  # guarded by _cond
         self._ops: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []  # guarded by _cond
-        self._running: list[EngineRequest] = []  # engine thread only
+        self._running: list[EngineRequest] = []  # engine thread only, sorted by slot
+        # Per-request sampling parameters of the running batch, rebuilt only when it changes.
+        self._batch_params: Optional[tuple[list, list, list, list, list]] = None
         self._free_slots = list(range(self.max_running_requests))
         self._paused = False
         self._stopping = False
@@ -315,6 +328,8 @@ class Engine:
                         fut.set_exception(exc)
                 if self._paused:
                     continue
+                if not self._running:
+                    self._await_burst()
                 self._admit()
                 if self._running:
                     self._decode_step()
@@ -323,6 +338,19 @@ class Engine:
             self.fatal_error = exc
         finally:
             self._fail_everything()
+
+    def _await_burst(self) -> None:
+        deadline = time.monotonic() + ADMIT_MAX_WAIT_S
+        with self._cond:
+            seen = len(self._waiting)
+            while 0 < seen < len(self._free_slots) and not (self._stopping or self._ops or self._paused):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(ADMIT_QUIET_S, remaining))  # a submit wakes it at once
+                if len(self._waiting) == seen:
+                    break  # quiet: the burst is in
+                seen = len(self._waiting)
 
     def _admit(self) -> None:
         with self._cond:
@@ -334,41 +362,52 @@ class Engine:
             req.slot = self._free_slots.pop(0)
             if req.sampling_seed is not None:
                 req._generator = torch.Generator(device=self.runner.device).manual_seed(int(req.sampling_seed))
+            stops = set(req.stop_token_ids)
+            if not req.ignore_eos:
+                stops |= self.eos_token_ids
+            req._stop_ids = frozenset(stops)
+            # Past this the next token would have no cache position left.
+            req._max_output = min(req.max_new_tokens, self.context_length - len(req.input_ids))
         logits = self.runner.prefill([r.slot for r in new], [r.input_ids for r in new])
         self._running.extend(new)
-        self._append_tokens(new, logits)
+        self._running.sort(key=lambda r: r.slot)
+        self._batch_params = None
+        self._append_tokens(new, logits, self._sampling_params(new))
 
-    def _decode_step(self) -> None:
-        batch = sorted(self._running, key=lambda r: r.slot)
-        logits = self.runner.decode(
+    def _sampling_params(self, batch: list[EngineRequest]) -> tuple[list, list, list, list, list]:
+        return (
             [r.slot for r in batch],
-            [r.output_ids[-1] for r in batch],
-            [len(r.input_ids) + len(r.output_ids) - 1 for r in batch],
-        )
-        self.steps += 1
-        self._append_tokens(batch, logits)
-
-    def _append_tokens(self, batch: list[EngineRequest], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample(
-            logits,
             [r.temperature for r in batch],
             [r.top_p for r in batch],
             [r.top_k for r in batch],
             [r._generator for r in batch],
-            self._generator,
         )
+
+    def _decode_step(self) -> None:
+        batch = self._running  # sorted by slot
+        if self._batch_params is None:
+            self._batch_params = self._sampling_params(batch)
+        params = self._batch_params
+        logits = self.runner.decode(
+            params[0],
+            [r.output_ids[-1] for r in batch],
+            [len(r.input_ids) + len(r.output_ids) - 1 for r in batch],
+        )
+        self.steps += 1
+        self._append_tokens(list(batch), logits, params)
+
+    def _append_tokens(self, batch: list[EngineRequest], logits: torch.Tensor, params: tuple) -> None:
+        tokens, logprobs = sample(logits, params[1], params[2], params[3], params[4], self._generator)
         version = self.weight_version
         for req, token, logprob in zip(batch, tokens, logprobs):
-            req.output_ids.append(token)
+            out = req.output_ids
+            out.append(token)
             req.output_logprobs.append(logprob)
             req.output_versions.append(version)
-            if token in req.stop_token_ids or (not req.ignore_eos and token in self.eos_token_ids):
+            if token in req._stop_ids:
                 self._finish(req, {"type": "stop", "matched": token})
-            elif len(req.output_ids) >= req.max_new_tokens:
-                self._finish(req, {"type": "length", "length": len(req.output_ids)})
-            elif len(req.input_ids) + len(req.output_ids) >= self.context_length:
-                # The next token would have no cache position left.
-                self._finish(req, {"type": "length", "length": len(req.output_ids)})
+            elif len(out) >= req._max_output:
+                self._finish(req, {"type": "length", "length": len(out)})
 
     def _abort_matching(self, match: Callable[[EngineRequest], bool], message: str) -> int:
         with self._cond:
@@ -380,8 +419,12 @@ class Engine:
         return len(queued) + len(running)
 
     def _finish(self, req: EngineRequest, reason: dict[str, Any], error: Optional[BaseException] = None) -> None:
-        if req in self._running:
-            self._running.remove(req)
+        # By identity: the dataclass __eq__ would compare every field of every request before it.
+        for i, running in enumerate(self._running):
+            if running is req:
+                del self._running[i]  # keeps the rest sorted by slot
+                self._batch_params = None
+                break
         if req.slot is not None:
             self._free_slots.append(req.slot)
             self._free_slots.sort()  # lowest slots first keeps the batch contiguous (cache views)

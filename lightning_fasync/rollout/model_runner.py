@@ -6,13 +6,24 @@ test checks this). What it replaces is the bookkeeping around attention: each ru
 one *slot* of a preallocated cache ``[slots, kv_heads, context, head_dim]`` per layer, so a decode
 step is one batched forward over exactly the running requests, with no padding to a common prompt
 length and no cache re-allocation. On a small model a decode step is dominated by per-op overhead,
-so the step is written to issue few ops: RoPE tables computed once, q and k rotated together,
-attention as ``baddbmm`` + ``bmm`` without repeating kv heads.
+so the step is written to issue few ops:
+
+* per-step tensors (slots, tokens and positions in one conversion, cache rows, the attention mask,
+  RoPE rows) are built once and shared by every layer;
+* weights are fused (q|k|v, gate|up) and pre-transposed once; in float32 each RMSNorm weight is
+  folded into the matrix after it, and (no per-head q/k norm) the attention scale into W_q;
+* RoPE is one complex multiply (q/k features stored pair-interleaved, see ``__init__``), else
+  ``roll`` + ``addcmul`` with the sign folded into the sin table;
+* attention is ``baddbmm`` (mask broadcast over the query heads of a kv group) + ``softmax`` +
+  ``bmm`` over the padded per-slot cache, without repeating kv heads; residual adds ride in
+  ``addmm``;
+* prefill runs the last layer's attention, output projection and MLP on each prompt's last
+  position only (the others only feed the KV cache, already written).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +90,38 @@ class ModelRunner:
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self._arange = torch.arange(context_length, device=self.device)
+        self._fold = self.dtype == torch.float32
+        self._eps_t = torch.tensor(self.eps, dtype=self.dtype, device=self.device)
+        self._inv_hidden = 1.0 / config.hidden_size
+        self._neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=self.device)
+        self._zero = torch.tensor(0.0, dtype=self.dtype, device=self.device)
         self._build_rope_tables(inner.rotary_emb)
+        self._rope = torch.stack([self._cos, self._sin_signed], dim=1)  # [context, 2, d]: one gather per step
+        self._qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        half = self.head_dim // 2
+        # RoPE as one complex multiply: with each head's q/k features stored pair-interleaved
+        # ((x_j, x_{j+d/2}) adjacent, by permuting the rows of W_q/W_k once), HF's
+        # ``x * cos + rotate_half(x) * sin`` is ``x_c * (cos + i sin)``. q.k dot products are
+        # unchanged (both sides permuted alike), and the attention scale is folded into W_q.
+        # Needs float32, duplicated cos/sin halves (every HF rope type) and no per-head q/k norm.
+        self._complex_rope = (
+            self.dtype == torch.float32
+            and not self._qk_norm
+            and self.head_dim % 2 == 0
+            and torch.equal(self._cos[:, :half], self._cos[:, half:])
+            and torch.equal(self._sin_signed[:, :half], -self._sin_signed[:, half:])
+        )
+        if self._complex_rope:
+            self._cis = torch.complex(self._cos[:, :half], self._sin_signed[:, half:])  # [context, d/2]
+            pairs = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+            heads = self.num_heads + self.num_kv_heads
+            self._qk_perm = (torch.arange(heads).unsqueeze(1) * self.head_dim + pairs).reshape(-1).to(self.device)
+        self._attn_scale = 1.0 if self._complex_rope else self.scale
+        # Cache views the decode step uses: rows for index_copy_, and [slots * kv_heads, context, d].
+        self._k_flat = [c.view(-1, self.head_dim) for c in self.k_cache]
+        self._v_flat = [c.view(-1, self.head_dim) for c in self.v_cache]
+        self._k_rows = [c.view(-1, context_length, self.head_dim) for c in self.k_cache]
+        self._v_rows = [c.view(-1, context_length, self.head_dim) for c in self.v_cache]
         self.refresh_weights()
 
     @torch.no_grad()
@@ -94,48 +136,88 @@ class ModelRunner:
 
     @torch.no_grad()
     def refresh_weights(self) -> None:
-        """Rebuild the fused q|k|v and gate|up matrices from the HF parameters.
+        """Rebuild the fused q|k|v and gate|up matrices (and the folded lm_head) from the HF parameters.
 
         One matmul instead of three (two) per layer is a sizeable share of a small model's decode
-        step. The engine calls this after every weight update, so the fused copies never go stale.
+        step. In float32 each RMSNorm's weight is also folded into the matrix that consumes the
+        norm's output (``(w * n) @ W.T == n @ (W * w).T``), which saves one op per norm; in other
+        dtypes the HF norm module runs as is. The engine calls this after every weight update, so
+        the fused copies never go stale.
         """
-        self._fused: list[tuple[torch.Tensor, Any, torch.Tensor]] = []
+        fold = self._fold
+        self._fused: list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
             biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
             bias = None if any(b is None for b in biases) else torch.cat(biases)
-            self._fused.append((w, bias, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])))
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            if fold:
+                w = w * layer.input_layernorm.weight
+                gate_up = gate_up * layer.post_attention_layernorm.weight
+            if self._complex_rope:
+                nq, nqk = self.num_heads * self.head_dim, self._qk_perm.numel()
+                w = torch.cat([w[:nqk][self._qk_perm], w[nqk:]])
+                w[:nq] *= self.scale
+                if bias is not None:
+                    bias = torch.cat([bias[:nqk][self._qk_perm], bias[nqk:]])
+                    bias[:nq] *= self.scale
+            self._fused.append((w.contiguous(), bias, gate_up.contiguous()))
+        lm = self.lm_head.weight
+        self._lm_weight = (lm * self.norm.weight).contiguous() if fold else lm
+        # Transposed views for addmm/mm, taken once (the o_proj/down views alias the parameters,
+        # so in-place weight updates reach them).
+        self._decode_w = [
+            (w.t(), bias, layer.self_attn.o_proj.weight.t(), layer.self_attn.o_proj.bias, gate_up.t(),
+             layer.mlp.down_proj.weight.t(), layer.mlp.down_proj.bias)
+            for (w, bias, gate_up), layer in zip(self._fused, self.layers)
+        ]
+        self._lm_t = self._lm_weight.t()
 
     def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
-        # HF's RMSNorm formula, minus its dtype round trips (F.rms_norm is not fused on CPU and
-        # issues more ops than this).
-        if x.dtype != torch.float32:
+        """RMSNorm of ``x``; in float32 without the weight, which is folded into the next matrix.
+
+        HF's formula, ``x * rsqrt(mean(x^2) + eps)``, in four ops: ``vector_norm`` then
+        ``addcmul`` gives ``eps + |x|^2 / n``.
+        """
+        if not self._fold:
             return module(x)
-        return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x * torch.addcmul(self._eps_t, norm, norm, value=self._inv_hidden).rsqrt_()
 
     def _qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Project, (Qwen3) head-norm and rotate; returns q ``[B, L, H, d]``, k, v ``[B, L, kvh, d]``."""
-        b, length, _ = h.shape
+        """Project, (Qwen3) head-norm and rotate ``h`` ``[N, hidden]``.
+
+        Returns q ``[N, H, d]``, k and v ``[N, kvh, d]``.
+        """
+        n = h.shape[0]
         w, bias, _ = self._fused[i]
-        qkv = F.linear(h, w, bias).view(b, length, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = F.linear(h, w, bias).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         nqk = self.num_heads + self.num_kv_heads
-        qk, v = qkv[:, :, :nqk], qkv[:, :, nqk:]
+        qk, v = qkv[:, :nqk], qkv[:, nqk:]
         attn = self.layers[i].self_attn
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before RoPE.
-            qk = torch.cat([attn.q_norm(qk[:, :, : self.num_heads]), attn.k_norm(qk[:, :, self.num_heads :])], dim=2)
-        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
-        return qk[:, :, : self.num_heads], qk[:, :, self.num_heads :], v
+            qk = torch.cat([attn.q_norm(qk[:, : self.num_heads]), attn.k_norm(qk[:, self.num_heads :])], dim=1)
+        if self._complex_rope:  # cos is the complex rotation here, sin unused
+            qk = torch.view_as_real(torch.view_as_complex(qk.view(n, nqk, -1, 2)) * cos).view(n, nqk, -1)
+        else:
+            qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
 
     def _mlp_residual(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[N, hidden]`` plus attention output projection, then plus the MLP of the result."""
         layer = self.layers[i]
         o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
         # Functional calls and residual adds folded into addmm: on a tiny model a decode step is
         # mostly per-op overhead, so every op saved counts.
         x = _linear_residual(x, attn_out, o_proj)
-        gate, up = F.linear(self._norm(layer.post_attention_layernorm, x), self._fused[i][2]).chunk(2, dim=-1)
-        act = F.silu(gate) if self._silu else layer.mlp.act_fn(gate)
-        return _linear_residual(x, act * up, down)
+        gate_up = torch.mm(self._norm(layer.post_attention_layernorm, x), self._fused[i][2].t())
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self._silu:
+            act = F.silu(gate, inplace=True).mul_(up)  # in place: gate is a view of a temporary
+        else:
+            act = layer.mlp.act_fn(gate) * up
+        return _linear_residual(x, act, down)
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
@@ -164,26 +246,46 @@ class ModelRunner:
 
     def _prefill_chunk(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         b, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros((b, width), dtype=torch.long, device=self.device)
-        for row, p in enumerate(prompts):
-            ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
         slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        cos, sin = self._cos[:width].view(1, width, 1, -1), self._sin_signed[:width].view(1, width, 1, -1)
-        x = self.embed(ids)
+        n, d = b * width, self.head_dim
+        if self._complex_rope:
+            cos, sin = self._cis[:width].repeat(b, 1).view(n, 1, -1), None
+        else:
+            cos = self._cos[:width].repeat(b, 1).view(n, 1, d)
+            sin = self._sin_signed[:width].repeat(b, 1).view(n, 1, d)
+        last_pos = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        last = torch.arange(0, n, width, device=self.device) + last_pos  # rows of the flattened batch
+        x = F.embedding(ids.view(-1), self.embed.weight)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(i, self._norm(layer.input_layernorm, x), cos, sin)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q.view(b, width, self.num_heads, d).transpose(1, 2)
+            k = k.view(b, width, self.num_kv_heads, d).transpose(1, 2)
+            v = v.view(b, width, self.num_kv_heads, d).transpose(1, 2)
             self.k_cache[i][slot_t, :, :width] = k
             self.v_cache[i][slot_t, :, :width] = v
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            x = self._mlp_residual(i, x, attn.transpose(1, 2).reshape(b, width, -1))
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        h = x[torch.arange(b, device=self.device), last]
-        return self.lm_head(self._norm(self.norm, h)).float()
+            if i < len(self.layers) - 1:
+                attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._attn_scale, enable_gqa=True)
+                attn = attn.transpose(1, 2).reshape(n, -1)
+            else:
+                # Only the last position of each prompt feeds the logits: the last layer's
+                # attention, output projection and MLP (most of its cost) run on those rows alone.
+                x = x.index_select(0, last)
+                q_last = q.gather(2, last_pos.view(b, 1, 1, 1).expand(b, self.num_heads, 1, d))
+                mask = (self._arange[:width] <= last_pos.unsqueeze(1)).view(b, 1, 1, width)
+                attn = F.scaled_dot_product_attention(q_last, k, v, attn_mask=mask, scale=self._attn_scale,
+                                                      enable_gqa=True)
+                attn = attn.reshape(b, -1)
+            x = self._mlp_residual(i, x, attn)
+        return F.linear(self._norm(self.norm, x), self._lm_weight, self.lm_head.bias).float()
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step for a batch of running requests.
+
+        Written for few Python-level torch calls: on a small model a decode step is mostly per-op
+        overhead, so per-step tensors (positions, cache rows, mask, RoPE rows) are built once and
+        shared by all layers, weights are pre-transposed views, and residual adds ride in addmm.
 
         Args:
             slots: Each request's cache slot.
@@ -193,37 +295,59 @@ class ModelRunner:
         Returns:
             Next-token logits ``[batch, vocab]`` (float32).
         """
-        b = len(slots)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(1)
+        b, kvh, d, nh = len(slots), self.num_kv_heads, self.head_dim, self.num_heads
+        nqk = nh + kvh
+        slot_t, ids, pos_t = torch.tensor([slots, tokens, positions], dtype=torch.long, device=self.device)
         span = max(positions) + 1
         # Contiguous slots 0..B-1 (the common case) read the cache as a view instead of a gather.
-        contiguous = slots == list(range(b))
-        # Additive mask, one row per (request, kv head, query head in the group): own positions only.
-        bias = torch.zeros((b, span), dtype=self.dtype, device=self.device)
-        bias.masked_fill_(self._arange[:span].unsqueeze(0) > pos_t.unsqueeze(1), float("-inf"))
-        bias = bias.view(b, 1, 1, span).expand(b, self.num_kv_heads, self.group, span).reshape(-1, self.group, span)
-        cos, sin = self._cos[pos_t].view(b, 1, 1, -1), self._sin_signed[pos_t].view(b, 1, 1, -1)
+        contiguous = slots[0] == 0 and slots[-1] == b - 1 and slots == list(range(b))
+        # Additive mask over the cached span, one row per request (and kv head): own positions only.
+        # baddbmm broadcasts it over the query heads of the group.
+        bias = torch.where(self._arange[:span] > pos_t.unsqueeze(1), self._neg_inf, self._zero).unsqueeze(1)
+        if kvh > 1:
+            bias = bias.expand(b, kvh, span).reshape(b * kvh, 1, span)
+        if self._complex_rope:
+            cis = self._cis.index_select(0, pos_t).unsqueeze(1)  # [b, 1, d/2] complex
+        else:
+            cos_sin = self._rope.index_select(0, pos_t)  # [b, 2, d]
+            cos, sin = cos_sin[:, :1], cos_sin[:, 1:]
         # Row of (slot, kv head, position) in the cache viewed as [slots * kv_heads * context, d]:
         # one index_copy_ per cache and layer, cheaper than a two-index index_put.
-        heads = torch.arange(self.num_kv_heads, device=self.device)
-        rows = ((slot_t.unsqueeze(1) * self.num_kv_heads + heads) * self.context_length + pos_t.unsqueeze(1)).view(-1)
+        if kvh == 1:
+            rows = torch.add(pos_t, slot_t, alpha=self.context_length)
+        else:
+            heads = torch.arange(kvh, device=self.device)
+            rows = ((slot_t.unsqueeze(1) * kvh + heads) * self.context_length + pos_t.unsqueeze(1)).view(-1)
+        qwen3 = self._qk_norm
         x = F.embedding(ids, self.embed.weight)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, self._norm(layer.input_layernorm, x), cos, sin)
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            kc.view(-1, self.head_dim).index_copy_(0, rows, k.reshape(-1, self.head_dim))
-            vc.view(-1, self.head_dim).index_copy_(0, rows, v.reshape(-1, self.head_dim))
-            if contiguous:
-                keys, values = kc[:b, :, :span], vc[:b, :, :span]
+        for i, (qkv_t, qkv_b, o_t, o_b, gu_t, down_t, down_b) in enumerate(self._decode_w):
+            layer = self.layers[i]
+            h = self._norm(layer.input_layernorm, x)
+            qkv = (torch.addmm(qkv_b, h, qkv_t) if qkv_b is not None else torch.mm(h, qkv_t)).view(b, -1, d)
+            qk = qkv[:, :nqk]
+            if qwen3:  # Qwen3 normalises each head before RoPE.
+                attn_mod = layer.self_attn
+                qk = torch.cat([attn_mod.q_norm(qk[:, :nh]), attn_mod.k_norm(qk[:, nh:])], dim=1)
+            if self._complex_rope:
+                qk = torch.view_as_real(torch.view_as_complex(qk.view(b, nqk, -1, 2)) * cis).view(b, nqk, d)
             else:
-                keys, values = kc[slot_t, :, :span], vc[slot_t, :, :span]
-            keys = keys.reshape(b * self.num_kv_heads, span, self.head_dim)
-            values = values.reshape(b * self.num_kv_heads, span, self.head_dim)
+                qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
+            self._k_flat[i].index_copy_(0, rows, qk[:, nh:].reshape(-1, d))
+            self._v_flat[i].index_copy_(0, rows, qkv[:, nqk:].reshape(-1, d))
+            if contiguous:
+                keys, values = self._k_rows[i][: b * kvh, :span], self._v_rows[i][: b * kvh, :span]
+            else:
+                keys = self.k_cache[i][slot_t, :, :span].reshape(b * kvh, span, d)
+                values = self.v_cache[i][slot_t, :, :span].reshape(b * kvh, span, d)
             # Query head h reads kv head h // group (HF's repeat_kv), so fold the group into rows.
-            qg = q.reshape(b * self.num_kv_heads, self.group, self.head_dim)
-            scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scale)
-            attn = torch.bmm(torch.softmax(scores, dim=-1), values).view(b, 1, -1)
-            x = self._mlp_residual(i, x, attn)
-        return F.linear(self._norm(self.norm, x[:, 0]), self.lm_head.weight, self.lm_head.bias).float()
+            q = qk[:, :nh] if kvh == 1 else qk[:, :nh].reshape(b * kvh, self.group, d)
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self._attn_scale)
+            attn = torch.bmm(torch.softmax(scores, dim=-1), values).view(b, -1)
+            x = torch.addmm(x, attn, o_t) if o_b is None else x + F.linear(attn, o_t.t(), o_b)
+            gate, up = torch.mm(self._norm(layer.post_attention_layernorm, x), gu_t).chunk(2, dim=-1)
+            act = F.silu(gate, inplace=True).mul_(up) if self._silu else layer.mlp.act_fn(gate) * up
+            x = torch.addmm(x, act, down_t) if down_b is None else x + F.linear(act, down_t.t(), down_b)
+        logits = torch.mm(self._norm(self.norm, x), self._lm_t)
+        if self.lm_head.bias is not None:
+            logits = logits + self.lm_head.bias
+        return logits.float()

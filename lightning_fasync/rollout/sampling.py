@@ -1,8 +1,15 @@
-"""Per-request sampling for a batch of next-token logits.
+"""Per-request sampling for a batch of next-token logits, vectorised over the batch.
 
 Log-probs follow SGLang's default: they are of the *raw* model distribution (``log_softmax`` of the
 logits, temperature 1.0, before top-k/top-p), whatever temperature the token was sampled at. That
 is what a trainer recomputes with a plain forward pass, so rollout and trainer log-probs agree.
+
+Tokens are drawn by inverse-CDF sampling: one uniform number per row, one ``cumsum`` and one
+``searchsorted`` for the whole batch. That is exactly a draw from the (filtered, tempered)
+distribution, and on CPU it is an order of magnitude cheaper than ``torch.multinomial``, which
+dominated the sampling cost of a decode step. Unseeded rows share one uniform draw from the
+engine's generator; a seeded request draws its uniform from its own generator, so its tokens do not
+depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -36,47 +43,61 @@ def sample(
         ``(token_ids, log_probs)``: the sampled tokens and their raw-distribution log-probs.
     """
     batch, vocab = logits.shape
+    # Batch-level checks at C speed (min/max over the lists), not a Python loop per row.
+    uniform_t = min(temperatures) == 1.0 == max(temperatures)
+    greedy = min(temperatures) < GREEDY_EPS
+    filtered = min(top_ps) < 1.0 or (max(top_ks) > 0 and any(0 < k < vocab for k in top_ks))
+    seeded = [i for i, g in enumerate(generators) if g is not None]
+    if uniform_t and not filtered:
+        # The common RL case (temperature 1, no filters): sample from the raw distribution itself
+        # and take the log of the sampled tokens' probabilities only (a sampled token's probability
+        # is > 0, so its log is as exact as log_softmax's, to float32 rounding).
+        probs = torch.softmax(logits, dim=-1)
+        tokens = _inverse_cdf(probs, seeded, generators, default_generator)
+        return tokens.tolist(), probs.gather(1, tokens.unsqueeze(1)).log_().squeeze(1).tolist()
     raw_logprobs = torch.log_softmax(logits, dim=-1)
-    plain = all(
-        t >= GREEDY_EPS and p >= 1.0 and not 0 < k < vocab and g is None
-        for t, p, k, g in zip(temperatures, top_ps, top_ks, generators)
-    )
-    if plain:  # the common RL case, in a handful of ops
-        if all(t == 1.0 for t in temperatures):
-            probs = raw_logprobs.exp()
-        else:
-            temp = torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)
-            probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
-        picked = torch.multinomial(probs, 1, generator=default_generator)
-        return picked.view(-1).tolist(), raw_logprobs.gather(1, picked).view(-1).tolist()
-    tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
-    greedy = [i for i, t in enumerate(temperatures) if t < GREEDY_EPS]
-    stochastic = [i for i, t in enumerate(temperatures) if t >= GREEDY_EPS]
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
-        tokens[idx] = logits[idx].argmax(dim=-1)
-    if stochastic:
-        idx = torch.tensor(stochastic, device=logits.device)
-        temp = torch.tensor([temperatures[i] for i in stochastic], device=logits.device)
-        scaled = logits[idx] / temp.unsqueeze(1)
-        ks = [top_ks[i] for i in stochastic]
-        ps = [top_ps[i] for i in stochastic]
-        if any(0 < k < vocab for k in ks) or any(p < 1.0 for p in ps):
-            scaled = _filter_top_k_top_p(scaled, ks, ps)
-        probs = torch.softmax(scaled, dim=-1)
-        seeded = [j for j, i in enumerate(stochastic) if generators[i] is not None]
-        if len(seeded) == len(stochastic):
-            picked = torch.empty(len(stochastic), dtype=torch.long, device=logits.device)
-        else:
-            picked = torch.multinomial(probs, 1, generator=default_generator).squeeze(1)
-        for j in seeded:  # a seeded request draws from its own stream: reproducible in any batch
-            picked[j] = torch.multinomial(probs[j], 1, generator=generators[stochastic[j]])[0]
-        tokens[idx] = picked
+    if max(temperatures) < GREEDY_EPS:
+        tokens = logits.argmax(dim=-1)
+    else:
+        # Greedy rows are sampled at temperature 1 here and replaced by their argmax below.
+        temps = torch.tensor([t if t >= GREEDY_EPS else 1.0 for t in temperatures], device=logits.device,
+                             dtype=logits.dtype)
+        scaled = logits / temps.unsqueeze(1)
+        if filtered:
+            scaled = _filter_top_k_top_p(scaled, top_ks, top_ps)
+        tokens = _inverse_cdf(torch.softmax(scaled, dim=-1), seeded, generators, default_generator)
+        if greedy:
+            is_greedy = torch.tensor([t < GREEDY_EPS for t in temperatures], device=logits.device)
+            tokens = torch.where(is_greedy, logits.argmax(dim=-1), tokens)
     chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens.tolist(), chosen.tolist()
 
 
-def _filter_top_k_top_p(scaled: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+def _inverse_cdf(
+    probs: torch.Tensor,
+    seeded: list[int],
+    generators: Sequence[Optional[torch.Generator]],
+    default_generator: Optional[torch.Generator],
+) -> torch.Tensor:
+    """One token per row of (possibly unnormalised) ``probs``: the first index whose CDF exceeds u.
+
+    The CDF is accumulated in float64, so a token of zero probability (filtered out) is never
+    picked: its CDF entry equals its predecessor's, and ``searchsorted(..., right=True)`` returns
+    the first entry strictly above ``u``.
+    """
+    batch, vocab = probs.shape
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    if len(seeded) == batch:
+        u = torch.empty((batch, 1), dtype=torch.float64, device=probs.device)
+    else:
+        u = torch.rand((batch, 1), dtype=torch.float64, device=probs.device, generator=default_generator)
+    for i in seeded:  # a seeded request draws from its own stream: reproducible in any batch
+        u[i] = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generators[i])
+    u.mul_(cdf[:, -1:])
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=vocab - 1).squeeze(1)
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, ks: Sequence[int], ps: Sequence[float]) -> torch.Tensor:
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     k_t = torch.tensor([k if 0 < k < vocab else vocab for k in ks], device=scaled.device)
