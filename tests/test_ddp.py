@@ -44,3 +44,20 @@ def test_ddp_refuses_a_minibatch_the_ranks_cannot_share(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode != 0
     assert "cannot share evenly" in proc.stdout + proc.stderr
+
+
+def test_sharded_strategies_are_refused_with_a_clear_error():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_fasync.config import ConfigError
+    from lightning_fasync.lightning.callback import FullyAsyncCallback
+
+    cb = FullyAsyncCallback({"colocate": False, "fully_async": {"enable": True},
+                             "data_source": {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2},
+                             "trainer": {"mini_batch_size": 4}})
+    trainer = SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(ConfigError, match="`trainer.strategy` is FSDPStrategy"):
+        cb.setup(trainer, SimpleNamespace(), "fit")
+    assert cb.runtime is None  # nothing started

@@ -36,6 +36,19 @@ PROGRESS_KEYS = {
 }
 
 
+def _refuse_sharded(strategy: Any) -> None:
+    """Sharded strategies need every rank in the weight sync's state-dict gather; until that
+    path exists (and can be tested: Lightning's FSDP needs CUDA), refuse them up front rather than
+    hang at the first step boundary."""
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+        raise ConfigError(
+            f"`trainer.strategy` is {type(strategy).__name__}; FullyAsyncCallback supports single-device and DDP "
+            "training (a sharded strategy would need every rank in the weight sync's state-dict gather)."
+        )
+
+
 class FullyAsyncCallback(Callback):
     """Fully-async rollout for any LightningModule that trains on :class:`RolloutBatch` tickets.
 
@@ -87,6 +100,7 @@ class FullyAsyncCallback(Callback):
             return
         cfg = self.cfg
         self._trainer, self._module = trainer, pl_module
+        _refuse_sharded(trainer.strategy)
         pl_module.fasync_config = cfg
         # Colocate time-shares every core between the phases; fully-async splits them.
         colocate = not cfg.fully_async.enable
