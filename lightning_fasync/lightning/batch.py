@@ -8,7 +8,7 @@ fills it in ``on_train_batch_start`` (main thread, exactly when the spec's train
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
@@ -25,13 +25,6 @@ class RolloutBatch:
     rollout_step: int = -1
     data: Any = None  # the module's prepared tensors (``prepare_rollout_batch``), when it has one
 
-    @property
-    def trajectories(self):
-        if self.groups is None:
-            raise RuntimeError(
-                "This RolloutBatch was not filled: add FullyAsyncCallback to the Trainer's callbacks."
-            )
-        return [t for g in self.groups for t in g.trajectories]
 
 
 class RolloutTickets(IterableDataset):
@@ -62,14 +55,11 @@ class PolicyBatch:
     rollout_log_probs: torch.Tensor  # [B, L-1]
     weight_versions: torch.Tensor  # [B, L-1], -1 outside responses
     rewards: torch.Tensor  # [G, N]
-    group_size: int
-    response_lengths: list[int] = field(default_factory=list)
 
 
 def collate_groups(groups: list[TrajectoryGroup], pad_id: int) -> PolicyBatch:
     """Pad prompt + response of every trajectory; rewards as [groups, N] (NaN when missing)."""
     trajs = [t for g in groups for t in g.trajectories]
-    n = len(groups[0].trajectories) if groups else 0
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
     L = max(max(lengths, default=1), 2)
     B = len(trajs)
@@ -92,4 +82,4 @@ def collate_groups(groups: list[TrajectoryGroup], pad_id: int) -> PolicyBatch:
         [[float("nan") if t.reward is None else float(t.reward) for t in g.trajectories] for g in groups],
         dtype=torch.float32,
     )
-    return PolicyBatch(input_ids, attention, mask, rollout_lp, versions, rewards, n, [len(t.response_ids) for t in trajs])
+    return PolicyBatch(input_ids, attention, mask, rollout_lp, versions, rewards)
