@@ -128,7 +128,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         if command == "simulate":
-            return _simulate(rest)
+            try:
+                return _simulate(rest)
+            except (ValueError, FileNotFoundError) as exc:  # a bad trace or config file
+                print(f"lightning-fasync simulate: error: {exc}", file=sys.stderr)
+                return 2
         if command == "serve":
             from lightning_fasync.rollout.server import main as serve_main
 
@@ -139,9 +143,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # DDP launcher can re-run the same command line for each rank.
         return fit_main(None if argv_is_process else rest)
     except ConfigError as exc:
-        print(f"lightning-fasync {command}: error: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as exc:
         print(f"lightning-fasync {command}: error: {exc}", file=sys.stderr)
         return 2
 

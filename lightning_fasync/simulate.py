@@ -117,7 +117,6 @@ class _Request:
     target: int  # total response length this trajectory will reach
     key: float = 0.0  # finish point on the replica's virtual-progress axis
     start_progress: float = 0.0
-    replica: int = -1
     base_len: int = 0
     version: int = 0
     dead: bool = False
@@ -243,9 +242,9 @@ class Simulation:
                     self.state.add_trajectory(traj)
                     continue
                 req = _Request(traj=traj, sample=sample, target=target, base_len=len(traj.response_ids), version=self.state.weight_version)
-                replica = min(range(len(self.replicas)), key=lambda r: self.replicas[r].num_running + len(self.replicas[r].waiting))
-                req.replica = replica
-                self.replicas[replica].admit(req)
+                # The router's choice: the least-loaded replica.
+                least = min(self.replicas, key=lambda r: r.num_running + len(r.waiting))
+                least.admit(req)
 
     def _finish(self, req: _Request, generated: int, status: TrajectoryStatus) -> None:
         traj = req.traj
@@ -414,7 +413,6 @@ def summarize(name: str, run: Simulation) -> dict[str, Any]:
         "partial_ratio": mean([m.get("rollout/partial_ratio", 0.0) for m in ms]),
         # Per-step mean over all steps (0 where nothing was recycled), as the spec's tables read.
         "partial_restored_count": mean([m.get("rollout/partial_restored_count", 0.0) for m in ms]),
-        "reward_steps": len(times),
     }
 
 
