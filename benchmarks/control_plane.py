@@ -20,10 +20,10 @@ import sys
 import tempfile
 import time
 
-from lightning_fasync.config import config_from_dict, validate
+from lightning_fasync.config import load_config, validate
 from lightning_fasync.pipeline.controller import FullyAsyncController
 from lightning_fasync.pipeline.datasource import ListDataSource
-from lightning_fasync.pipeline.engine import SamplingParams
+from lightning_fasync.pipeline.engine_client import SamplingParams
 from lightning_fasync.pipeline.flow import SingleTurnFlow
 from lightning_fasync.pipeline.instant_engine import InstantEngine
 
@@ -38,7 +38,7 @@ class _Hooks:
 
 def _cfg(B: int, N: int, M: int, stale: float, window: str, event_log: bool):
     return validate(
-        config_from_dict(
+        load_config(
             {
                 "colocate": False,
                 "fully_async": {"enable": True, "sliding_window": window, "stale_steps": stale, "event_log": event_log},
@@ -66,11 +66,8 @@ def throughput(steps: int, window: str, event_log: bool, log_dir: str) -> float:
             if step == 1:
                 t0 = time.perf_counter()
                 n = 0
-            while True:
-                n += sum(len(g.trajectories) for g in ctl.fetch())
-                if ctl.minibatch_done():
-                    break
-            ctl.step_boundary(hooks)
+            ctl.run_step(lambda groups: {"trajectories": float(sum(len(g.trajectories) for g in groups))}, hooks)
+            n += cfg.B * cfg.N
         dt = time.perf_counter() - t0
     finally:
         ctl.shutdown()
@@ -97,9 +94,7 @@ def pause_latency(in_flight_requests: int, repeats: int, log_dir: str) -> list[f
             while len(engine._held) < in_flight_requests:
                 time.sleep(0.005)
             t0 = time.perf_counter()
-            ctl.producer.pause(partial=True, timeout=30)
-            ctl.state.drain_collect(30)
-            ctl.state.cleanup_after_pause()
+            ctl.pause()
             out.append(time.perf_counter() - t0)
             assert ctl.state.in_flight == 0 and ctl.state.R == 0
         finally:

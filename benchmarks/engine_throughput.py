@@ -118,7 +118,7 @@ def in_process_runner(model, args) -> tuple[Callable[..., tuple[int, float]], Ca
 
 
 def http_runner(args, cores: list[int]) -> tuple[Callable[..., tuple[int, float]], Callable[[], None]]:
-    from lightning_fasync.pipeline.engine import GenerateRequest, SamplingParams
+    from lightning_fasync.pipeline.engine_client import GenerateRequest, SamplingParams
     from lightning_fasync.rollout.client import SGLangClient
     from lightning_fasync.rollout.launch import launch_server
 

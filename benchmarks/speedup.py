@@ -57,7 +57,7 @@ def run_mode(name: str, overrides: list[str], steps: int, out: str, extra: list[
     root = os.path.join(out, slug(name))
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"),
            f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false", "--trainer.save_freq=0",
-           f"--trainer.max_steps={steps * CALLS}", *overrides, *extra]
+           f"--trainer.rollout_steps={steps}", *overrides, *extra]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     wall = time.perf_counter() - t0

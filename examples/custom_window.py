@@ -9,8 +9,7 @@ The script registers it, then simulates the spec's experiment with it next to wi
 
 from __future__ import annotations
 
-from lightning_fasync.cli import load_config
-from lightning_fasync.config import _build
+from lightning_fasync.config import load_config_file
 from lightning_fasync.pipeline.window import WindowView, register_window_strategy
 from lightning_fasync.simulate import SimConfig, Variant, format_table, run_variants
 
@@ -32,8 +31,8 @@ class CappedFifo:
 
 
 def main(steps: int = 12) -> str:
-    cfg, sections = load_config("configs/sim/dapo_h20.yaml")
-    sim = _build(SimConfig, sections["simulate"], "simulate")
+    cfg, sections = load_config_file("configs/sim/dapo_h20.yaml", simulate=SimConfig)
+    sim = sections["simulate"]
     sim.steps = steps
     sim.variants = [
         Variant("fully_async (windowed-fifo, stale = 1.0)", {"fully_async.sliding_window": "windowed-fifo"}),

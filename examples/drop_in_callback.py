@@ -5,8 +5,9 @@ Run it (a couple of minutes on 2 CPU cores):  python examples/drop_in_callback.p
 `ReinforcePolicy` is the kind of module people already have: a causal-LM policy, rewards, and a
 REINFORCE loss with a per-prompt mean baseline. It knows nothing of engines or threads. Three
 lines make it fully-async: the callback (engines, producer, collector, step protocol), the
-rollout dataloader (complete prompt groups from the pipeline), and the name of the model the
-engines load (they receive the trainer's weights at every step boundary).
+rollout dataloader (complete prompt groups from the pipeline), and the FullyAsyncHooks base with
+the name of the model the engines load (they receive the trainer's weights at every step
+boundary; the hooks' defaults find the Hugging Face model the module holds).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import lightning.pytorch as pl
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from lightning_fasync.lightning import FullyAsyncCallback, rollout_dataloader
+from lightning_fasync.lightning import FullyAsyncCallback, FullyAsyncHooks, rollout_dataloader
 from lightning_fasync.policy import build_policy
 
 
-class ReinforcePolicy(pl.LightningModule):
+class ReinforcePolicy(FullyAsyncHooks, pl.LightningModule):
     """REINFORCE on (prompt, response, reward) with a per-prompt mean baseline."""
 
     engine_model = "tiny"  # what the rollout engines load; a local HF directory works too

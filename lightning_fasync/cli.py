@@ -1,113 +1,63 @@
-"""The ``lightning-fasync`` command: ``simulate`` and ``serve`` (``fit`` arrives with the Lightning
-integration).
+"""The ``lightning-fasync`` command: ``fit``, ``simulate`` and ``serve``.
 
-Overrides follow the config keys of the spec: ``--fully_async.stale_steps=2``,
-``--rollout.partial=true``. Values are parsed as YAML scalars.
+Every command parses with jsonargparse from the dataclasses in :mod:`lightning_fasync.config`
+(their field docstrings are the ``--help``): overrides follow the spec's keys,
+``--fully_async.stale_steps=2``, ``--rollout.partial=true``.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-import yaml
-
-from lightning_fasync.config import ConfigError, FasyncConfig, config_from_dict, set_by_path, validate
-
-
-def _split_overrides(extra: Sequence[str]) -> list[tuple[str, Any]]:
-    out = []
-    items = list(extra)
-    i = 0
-    while i < len(items):
-        item = items[i]
-        if not item.startswith("--"):
-            raise ConfigError(f"Unexpected argument {item!r}; overrides look like --section.key=value.")
-        key, eq, value = item[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(items):
-                raise ConfigError(f"`{key}` is given without a value; write --{key}=VALUE.")
-            value = items[i + 1]
-            i += 1
-        out.append((key, yaml.safe_load(value)))
-        i += 1
-    return out
-
-
-def load_config(path: Optional[str], overrides: Sequence[tuple[str, Any]] = ()) -> tuple[FasyncConfig, dict[str, Any]]:
-    """Read a YAML config (plugin keys plus optional extra sections) and apply overrides.
-
-    Returns the plugin config and the extra top-level sections (e.g. ``simulate``).
-    """
-    data: dict[str, Any] = {}
-    if path is not None:
-        if not os.path.exists(path):
-            raise ConfigError(f"`--config` is {path!r}, which does not exist.")
-        with open(path) as fh:
-            try:
-                data = yaml.safe_load(fh) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"`--config` {path!r} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"`--config` {path!r} must hold a mapping of config keys.")
-    extra = {k: data.pop(k) for k in list(data) if k in ("simulate",)}
-    cfg = config_from_dict(data)
-    for key, value in overrides:
-        if key.split(".")[0] in extra or key.startswith("simulate."):
-            _set_nested(extra, key, value)
-        else:
-            set_by_path(cfg, key, value)
-    return cfg, extra
-
-
-def _set_nested(d: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    for p in parts[:-1]:
-        d = d.setdefault(p, {})
-    d[parts[-1]] = value
+from lightning_fasync.config import ConfigError, config_from_namespace, config_parser
 
 
 def _simulate(argv: Sequence[str]) -> int:
     from lightning_fasync.simulate import SimConfig, format_table, load_trace, run_variants
-    from lightning_fasync.config import _build
 
-    parser = argparse.ArgumentParser(
-        prog="lightning-fasync simulate",
-        description="Run the fully-async pipeline on a virtual clock and compare against colocate.",
-    )
-    parser.add_argument("--config", help="YAML with plugin keys and a `simulate:` section.")
-    parser.add_argument("--trace", help="JSONL response-length trace: {\"prompt\": i, \"lengths\": [N ints]} per line.")
-    parser.add_argument("--events", help="Write the event log (JSONL) here; one file per variant.")
-    parser.add_argument("--output", help="Write the table here (.md or .csv).")
-    parser.add_argument("--steps", type=int, help="Override simulate.steps.")
-    args, extra = parser.parse_known_args(argv)
-    cfg, sections = load_config(args.config, _split_overrides(extra))
-    sim = _build(SimConfig, sections.get("simulate") or {}, "simulate")
-    if args.steps is not None:
-        if args.steps < 2:
-            raise ConfigError(f"`--steps` is {args.steps}; at least 2 steps are needed to report steady state.")
-        sim.steps = args.steps
-    trace = load_trace(args.trace) if args.trace else None
+    parser = config_parser(simulate=SimConfig)
+    parser.prog = "lightning-fasync simulate"
+    parser.description = "Run the fully-async pipeline on a virtual clock and compare against colocate."
+    parser.add_argument("--trace", type=Optional[str], default=None,
+                        help='JSONL response-length trace: {"prompt": i, "lengths": [N ints]} per line.')
+    parser.add_argument("--events", type=Optional[str], default=None, help="Write the event log (JSONL) here; one file per variant.")
+    parser.add_argument("--output", type=Optional[str], default=None, help="Write the table here (.md or .csv).")
+    parser.add_argument("--steps", type=Optional[int], default=None, help="Override simulate.steps.")
+    try:
+        ns = parser.parse_args(list(argv))
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except Exception as exc:  # jsonargparse's ArgumentError
+        from lightning_fasync.config import _config_error_sentence
+
+        raise ConfigError(_config_error_sentence(exc)) from None
+    cfg, sections = config_from_namespace(ns, simulate=SimConfig)
+    sim = sections["simulate"]
+    if ns.steps is not None:
+        if ns.steps < 2:
+            raise ConfigError(f"`--steps` is {ns.steps}; at least 2 steps are needed to report steady state.")
+        sim.steps = ns.steps
+    trace = load_trace(ns.trace) if ns.trace else None
     if trace is not None:
         sim.num_prompts = min(sim.num_prompts, len(trace)) if sim.num_prompts else len(trace)
     t0 = time.perf_counter()
-    rows = run_variants(cfg, sim, trace=trace, events_path=args.events)
+    rows = run_variants(cfg, sim, trace=trace, events_path=ns.events)
     table = format_table(rows)
     print(table)
     print(f"\n{sim.steps} simulated steps per run, {len(rows)} runs, {time.perf_counter() - t0:.1f} s wall time.")
-    if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        if args.output.endswith(".csv"):
-            with open(args.output, "w", newline="") as fh:
+    if ns.output:
+        os.makedirs(os.path.dirname(os.path.abspath(ns.output)), exist_ok=True)
+        if ns.output.endswith(".csv"):
+            with open(ns.output, "w", newline="") as fh:
                 writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
                 writer.writeheader()
                 writer.writerows(rows)
         else:
-            with open(args.output, "w") as fh:
+            with open(ns.output, "w") as fh:
                 fh.write(table + "\n")
     return 0
 

@@ -1,4 +1,4 @@
-"""Typed configuration with the spec's names and defaults (spec section 1), and its validation.
+"""Typed configuration with the spec's names and defaults (docs/contract.md §1), and its validation.
 
 Every group is a dataclass whose fields carry a docstring; jsonargparse reads them for ``--help``.
 ``validate()`` refuses every combination the spec forbids, before any thread, process or engine
@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib
 import warnings
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from lightning_fasync.pipeline.window import available_strategies, pipeline_capacity
 
 
 class ConfigError(ValueError):
@@ -28,7 +30,7 @@ class ConfigWarning(UserWarning):
 
 @dataclass
 class FullyAsyncConfig:
-    """``fully_async.*``: the fully-async switch and scheduling (spec sections 1 and 3)."""
+    """``fully_async.*``: the fully-async switch and scheduling (docs/contract.md §1 and §3)."""
 
     enable: bool = False
     """Enable the fully-async pipeline: a background rollout producer, collector and PipelineBuffer."""
@@ -57,20 +59,27 @@ class DataSourceConfig:
     num_trajectories_per_prompt: int = 8
     """N: trajectories generated per prompt (one group)."""
     shuffle: bool = True
-    """Shuffle prompts at each epoch (seeded by ``seed``)."""
+    """Shuffle the task's prompts at each epoch (seeded by ``seed``); a ``datasource`` orders its own."""
     seed: int = 1234
-    """Seed for the per-epoch shuffle."""
+    """Seed of the task's prompts and their per-epoch shuffle; a ``datasource`` takes its own in ``datasource_args``."""
     task: str = "repeat"
-    """Task that makes the prompts and scores the responses (``lightning_fasync.data.tasks``)."""
+    """Task that makes the prompts and scores the responses: a registered name (``repeat``) or
+    ``package.module:Class`` (see docs/extending.md)."""
     task_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of the task (e.g. its length distribution)."""
     num_prompts: int = 4096
-    """Prompts per epoch drawn from the task."""
+    """Prompts per epoch drawn from the task (a ``datasource`` decides its own)."""
+    datasource: Optional[str] = None
+    """``package.module:Class`` of a DataSource to use instead of the task's prompts (see docs/extending.md)."""
+    datasource_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of ``datasource``."""
+    reward: Optional[str] = None
+    """``package.module:function`` ``(sample, trajectory) -> float`` to use instead of the task's reward."""
 
 
 @dataclass
 class TrainerConfig:
-    """``trainer.*``: the RL trainer's batch shape and resources (spec section 1)."""
+    """``trainer.*``: the RL trainer's batch shape and resources (docs/contract.md §1)."""
 
     mini_batch_size: int = 64
     """M: trajectories per training call; each call fetches M // N complete groups."""
@@ -80,6 +89,8 @@ class TrainerConfig:
     """Training GPUs per node (on CPU: trainer processes per node)."""
     save_freq: int = 0
     """Save a checkpoint every this many rollout steps; 0 saves none periodically."""
+    rollout_steps: Optional[int] = None
+    """Outer (rollout) steps to train; sets Lightning's max_steps to rollout_steps x (B x N) // M."""
     use_rollout_log_probs: bool = False
     """Use the engine's log-probs as the old policy instead of recomputing them on the trainer."""
 
@@ -108,11 +119,14 @@ class SGLangArgs:
 
     max_running_requests: Optional[int] = None
     """Engine concurrency limit (SGLang ``--max-running-requests``); None keeps the engine default."""
+    context_length: Optional[int] = None
+    """Prompt + response tokens per request (SGLang ``--context-length``); None: the datasource's
+    longest prompt + ``rollout.max_response_length`` + 1."""
 
 
 @dataclass
 class RolloutConfig:
-    """``rollout.*``: the rollout pool and step-boundary behaviour (spec section 1)."""
+    """``rollout.*``: the rollout pool and step-boundary behaviour (docs/contract.md §1)."""
 
     num_gpus_per_node: int = 8
     """GPUs per node in the resident rollout pool."""
@@ -136,6 +150,8 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     top_k: int = -1
     """Top-k sampling; -1 disables it."""
+    stop_token_ids: Optional[list[int]] = None
+    """Token ids that end a response; None: the task's."""
     filter: Optional[str] = None
     """``module:function`` called on each complete group by the collector; False drops it."""
     max_consecutive_failed_groups: int = 16
@@ -156,6 +172,11 @@ class AgentFlowConfig:
 
     router: RouterConfig = field(default_factory=RouterConfig)
     """Router connection limits."""
+    flow: str = "lightning_fasync.pipeline.flow:SingleTurnFlow"
+    """``package.module:Class`` of the agent flow; built with ``client``, ``sampling``,
+    ``max_response_length``, ``reward_fn`` and ``flow_args`` (see docs/extending.md)."""
+    flow_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of ``flow``."""
 
 
 @dataclass
@@ -198,7 +219,7 @@ class ISCorrectionConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """``algorithm.*``: advantages, policy loss and off-policy protection (spec sections 1, 5.1)."""
+    """``algorithm.*``: advantages, policy loss and off-policy protection (docs/contract.md §1, §5.1)."""
 
     advantage_norm_std: bool = True
     """GRPO: divide group-relative advantages by the group's reward std."""
@@ -231,11 +252,11 @@ class FasyncConfig:
     colocate: bool = True
     """Rollout and trainer share one resource pool. Must be false for fully-async."""
     run_mode: str = "default"
-    """Entry mode: default, train-only or rollout-only. Fully-async supports only default."""
+    """Entry mode. Only default is supported (the spec's train-only and rollout-only are refused)."""
     data_source: DataSourceConfig = field(default_factory=DataSourceConfig)
     """The data source (B and N)."""
     data_sources: Optional[list[DataSourceConfig]] = None
-    """The data sources actually used; None means [data_source]."""
+    """The data sources actually used; None means [data_source]. Exactly one is supported."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """RL trainer batch shape and resources."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -265,54 +286,170 @@ class FasyncConfig:
 
     @property
     def capacity(self) -> int:
-        """C = int(B * (1 + stale_steps)) (spec section 1)."""
+        """C = int(B * (1 + stale_steps)) (docs/contract.md §1)."""
         return pipeline_capacity(self.B, self.fully_async.stale_steps)
 
     @property
     def groups_per_minibatch(self) -> int:
-        """M // N groups per training call (spec section 2)."""
+        """M // N groups per training call (docs/contract.md §2)."""
         return self.M // self.N
 
     @property
     def minibatches_per_step(self) -> int:
-        """(B * N) // M training calls per outer step (spec section 2)."""
+        """(B * N) // M training calls per outer step (docs/contract.md §2)."""
         return (self.B * self.N) // self.M
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def pipeline_capacity(num_prompts_per_step: int, stale_steps: float) -> int:
-    """C = int(B * (1 + stale_steps)): the spec's capacity, floored exactly as ``int(...)`` does."""
-    return int(num_prompts_per_step * (1 + stale_steps))
-
-
 # --------------------------------------------------------------------------------------------
-# Construction from plain dicts (YAML)
+# The one parser: every command (fit, simulate, serve's engine flags aside) and every dict config
+# goes through jsonargparse built from the dataclasses above, whose field docstrings are the docs.
 # --------------------------------------------------------------------------------------------
 
+GROUPS: dict[str, type] = {
+    "fully_async": FullyAsyncConfig,
+    "data_source": DataSourceConfig,
+    "trainer": TrainerConfig,
+    "rollout": RolloutConfig,
+    "agentflow": AgentFlowConfig,
+    "algorithm": AlgorithmConfig,
+}
+"""The plugin's config groups (docs/contract.md §1), by top-level key."""
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if isinstance(data, cls):
-        return data
-    if data is None:
-        return cls()
-    if not isinstance(data, dict):
-        raise ConfigError(f"`{prefix or 'config'}` must be a mapping, got {data!r}.")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        key = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(
-            f"`{key}` is not a configuration key; the keys under `{prefix or 'the top level'}` "
-            f"are: {', '.join(sorted(known))}."
-        )
+SCALARS = ("colocate", "run_mode", "data_sources")
+"""The plugin's top-level keys that are not groups."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (what ``--help`` shows)."""
+    from docstring_parser import parse_from_object
+
+    return {p.arg_name: p.description or "" for p in parse_from_object(cls).params}
+
+
+def add_config_arguments(parser: Any, skip_trainer: Sequence[str] = ()) -> None:
+    """Add the plugin's keys to a jsonargparse ``parser`` under the spec's names.
+
+    Arguments:
+        parser: a ``jsonargparse.ArgumentParser`` (LightningCLI's, or :func:`config_parser`'s).
+        skip_trainer: ``trainer.*`` keys the parser already has (LightningCLI's ``trainer`` group
+            holds Lightning's Trainer arguments; the RL keys are added into it one by one).
+    """
+    import typing
+
+    docs = field_docs(FasyncConfig)
+    for key, cls in GROUPS.items():
+        if key == "trainer" and skip_trainer:
+            hints, tdocs = typing.get_type_hints(TrainerConfig), field_docs(TrainerConfig)
+            for f in fields(TrainerConfig):
+                if f.name not in skip_trainer:
+                    parser.add_argument(f"--trainer.{f.name}", type=hints[f.name], default=f.default, help=tdocs[f.name])
+            continue
+        parser.add_class_arguments(cls, key, help=docs[key])
+        if key == "rollout":
+            # jsonargparse cannot write dataclass instances nested in a dict back to YAML; a plain
+            # dict default keeps a saved config.yaml reusable.
+            parser.set_defaults({"rollout.sglang_replicas": {k: asdict(v) for k, v in RolloutConfig().sglang_replicas.items()}})
+    parser.add_argument("--colocate", type=bool, default=True, help=docs["colocate"])
+    parser.add_argument("--run_mode", type=str, default="default", help=docs["run_mode"])
+    parser.add_argument("--data_sources", type=Optional[list[DataSourceConfig]], default=None, help=docs["data_sources"])
+
+
+def config_parser(**sections: type) -> Any:
+    """A parser of the plugin's keys plus extra dataclass ``sections`` (e.g. ``simulate=SimConfig``)."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False, default_env=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="A YAML file of these keys.")
+    add_config_arguments(parser)
+    for key, cls in sections.items():
+        parser.add_class_arguments(cls, key)
+    return parser
+
+
+def config_from_namespace(ns: Any, **sections: type) -> tuple["FasyncConfig", dict[str, Any]]:
+    """The :class:`FasyncConfig` (and the extra ``sections``) of a parsed jsonargparse namespace."""
+    values = _plain(ns)
+    groups = {k: _dataclass(cls, values.get(k) or {}) for k, cls in GROUPS.items()}
+    sources = values.get("data_sources")
+    cfg = FasyncConfig(
+        **groups,
+        colocate=values.get("colocate", True),
+        run_mode=values.get("run_mode", "default"),
+        data_sources=None if sources is None else [_dataclass(DataSourceConfig, s) for s in sources],
+    )
+    return cfg, {k: _dataclass(cls, values.get(k) or {}) for k, cls in sections.items()}
+
+
+def load_config(data: Optional[Mapping[str, Any]] = None, **sections: type) -> Any:
+    """The public builder: a validated-for-type :class:`FasyncConfig` from a nested dict (parsed
+    YAML, a user's dict); unknown keys and mistyped values are refused naming the key.
+
+    With ``sections`` (e.g. ``simulate=SimConfig``) returns ``(cfg, {name: section})``.
+    """
+    parser = config_parser(**sections)
+    try:
+        ns = parser.parse_object(dict(data or {}))
+    except Exception as exc:  # jsonargparse's ArgumentError
+        raise ConfigError(_config_error_sentence(exc)) from None
+    cfg, extra = config_from_namespace(ns, **sections)
+    return (cfg, extra) if sections else cfg
+
+
+def load_config_file(path: str, overrides: Sequence[str] = (), **sections: type) -> tuple["FasyncConfig", dict[str, Any]]:
+    """Read a YAML config and command-line style ``overrides`` (``--fully_async.stale_steps=2``)."""
+    import os
+
+    if not os.path.exists(path):
+        raise ConfigError(f"`--config` is {path!r}, which does not exist.")
+    parser = config_parser(**sections)
+    try:
+        ns = parser.parse_args(["--config", path, *overrides])
+    except Exception as exc:
+        raise ConfigError(_config_error_sentence(exc)) from None
+    return config_from_namespace(ns, **sections)
+
+
+def with_overrides(cfg: "FasyncConfig", overrides: Mapping[str, Any]) -> "FasyncConfig":
+    """A copy of ``cfg`` with dotted-key ``overrides`` (``{"fully_async.stale_steps": 2.0}``) applied."""
+    data = cfg.to_dict()
+    for dotted, value in overrides.items():
+        node = data
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                raise ConfigError(f"`{dotted}` is not a configuration key.")
+            node = node[part]
+        node[parts[-1]] = value
+    return load_config(data)
+
+
+def _dataclass(cls: type, value: Any) -> Any:
+    if isinstance(value, cls):
+        return value
     kwargs = {}
     hints = _type_hints(cls)
-    for name, value in data.items():
-        key = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _convert(hints[name], value, key)
+    for f in fields(cls):
+        if f.name in value:
+            kwargs[f.name] = _typed(hints[f.name], value[f.name])
     return cls(**kwargs)
+
+
+def _typed(tp: Any, value: Any) -> Any:
+    import typing
+
+    if is_dataclass(tp) and isinstance(value, Mapping):
+        return _dataclass(tp, value)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union and value is not None:
+        return _typed(next(a for a in args if a is not type(None)), value)
+    if origin is dict and isinstance(value, Mapping):
+        return {k: _typed(args[1], v) for k, v in value.items()}
+    if origin is list and isinstance(value, (list, tuple)):
+        return [_typed(args[0], v) for v in value]
+    return value
 
 
 def _type_hints(cls: type) -> dict[str, Any]:
@@ -321,69 +458,41 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    import typing
-
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is Union:
-        if value is None and type(None) in args:
-            return None
-        non_none = [a for a in args if a is not type(None)]
-        return _convert(non_none[0], value, key)
-    if is_dataclass(tp):
-        return _build(tp, value, key)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"`{key}` must be a list, got {value!r}.")
-        return [_convert(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"`{key}` must be a mapping, got {value!r}.")
-        return {k: _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"`{key}` must be true or false, got {value!r}.")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"`{key}` must be an integer, got {value!r}.")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"`{key}` must be a number, got {value!r}.")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"`{key}` must be a string, got {value!r}.")
-        return value
-    return value
-
-
-def config_from_dict(data: Optional[dict[str, Any]]) -> FasyncConfig:
-    """Build a :class:`FasyncConfig` from a nested dict (e.g. parsed YAML); unknown keys are refused."""
-    return _build(FasyncConfig, data or {}, "")
-
-
-def set_by_path(cfg: FasyncConfig, dotted: str, value: Any) -> None:
-    """Set ``a.b.c`` on a config, converting ``value`` to the field's type (for CLI overrides)."""
-    parts = dotted.split(".")
-    obj = cfg
-    for i, part in enumerate(parts[:-1]):
-        if isinstance(obj, dict):
-            obj = obj[part]
-        elif not hasattr(obj, part):
-            raise ConfigError(f"`{'.'.join(parts[: i + 1])}` is not a configuration key.")
-        else:
-            obj = getattr(obj, part)
-    last = parts[-1]
+def _plain(obj: Any) -> Any:
+    """jsonargparse namespaces and tuples → plain dicts and lists; dataclasses stay."""
+    if hasattr(obj, "as_dict"):
+        obj = obj.as_dict()
     if isinstance(obj, dict):
-        obj[last] = value
-        return
-    hints = _type_hints(type(obj))
-    if last not in hints:
-        raise ConfigError(f"`{dotted}` is not a configuration key.")
-    setattr(obj, last, _convert(hints[last], value, dotted))
+        return {k: _plain(v) for k, v in obj.items() if not k.startswith("__") and k != "config"}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _config_error_sentence(exc: BaseException) -> str:
+    """jsonargparse's message as the project's one sentence naming the key."""
+    import re
+
+    text = " ".join(str(exc).split())
+    m = re.search(r"Group '([\w.]+)' does not accept (?:nested key|option) '([\w.]+)'", text)
+    if m:
+        group, key = m.groups()
+        cls = GROUPS.get(group.split(".")[0])
+        known = f"; the keys under `{group}` are: {', '.join(f.name for f in fields(cls))}" if cls and "." not in group else ""
+        return f"`{group}.{key}` is not a configuration key{known}."
+    m = re.search(r"^Option '([\w.]+)' is not accepted", text)
+    if m:
+        top = sorted([*GROUPS, *SCALARS])
+        return f"`{m.group(1)}` is not a configuration key; the top-level keys are: {', '.join(top)}."
+    m = re.search(r'[Kk]ey "([\w.\[\]]+)": Expected a <class \'(\w+)\'>\. Got value: (.*)$', text)
+    if m:
+        key, kind, got = m.groups()
+        kinds = {"float": "a number", "int": "an integer", "bool": "true or false", "str": "a string"}
+        return f"`{key}` must be {kinds.get(kind, kind)}, got {got.strip()!r}."
+    m = re.search(r"[Kk]ey \"([\w.\[\]]+)\": (.*)$", text)
+    if m:
+        return f"`{m.group(1)}`: {m.group(2)}"
+    return text
 
 
 # --------------------------------------------------------------------------------------------
@@ -409,8 +518,6 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
     Raises:
         ConfigError: one sentence naming the key, the value given and the rule.
     """
-    from lightning_fasync.pipeline.window import available_strategies
-
     import_plugins(cfg)
     fa = cfg.fully_async
     sources = cfg.sources
@@ -439,9 +546,15 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
             f"`fully_async.sliding_window` is {fa.sliding_window!r}, which is not a registered strategy; "
             f"choose one of {', '.join(available_strategies())} or register yours (see docs/custom_window.md)."
         )
-    if cfg.run_mode not in ("default", "train-only", "rollout-only"):
+    if cfg.run_mode != "default":
         raise ConfigError(
-            f"`run_mode` is {cfg.run_mode!r}; it must be one of default, train-only, rollout-only."
+            f"`run_mode` is {cfg.run_mode!r}; lightning-fasync runs only the default mode "
+            "(train-only and rollout-only are not supported)."
+        )
+    if len(sources) != 1:
+        raise ConfigError(
+            f"`data_sources` lists {len(sources)} sources; lightning-fasync reads exactly one data source "
+            "(B, N, prompts and reward all come from it)."
         )
     if cfg.trainer.save_freq < 0:
         raise ConfigError(f"`trainer.save_freq` is {cfg.trainer.save_freq}; it must be >= 0 (0 disables periodic saves).")
@@ -497,15 +610,6 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
             raise ConfigError(
                 "`colocate` is true while `fully_async.enable` is true; fully-async mode needs separate "
                 "trainer and rollout resources, so set colocate: false."
-            )
-        if cfg.run_mode != "default":
-            raise ConfigError(
-                f"`run_mode` is {cfg.run_mode!r} while `fully_async.enable` is true; fully-async supports only default."
-            )
-        if len(sources) != 1:
-            raise ConfigError(
-                f"`data_sources` lists {len(sources)} sources while `fully_async.enable` is true; "
-                "fully-async supports exactly one data source."
             )
         if cfg.rollout.sampler.num_oversample != 0:
             raise ConfigError(

@@ -1,9 +1,9 @@
 """``lightning-fasync simulate``: the real pipeline objects on a virtual clock.
 
-Plan ``stale_steps`` and the window strategy before renting GPUs. The simulator drives the same
-:class:`~lightning_fasync.pipeline.state.PipelineState` (capacity, window strategy, TrajQueue,
-collector policy, PipelineBuffer, pause cleanup, metrics) as a live run; only the engines and the
-trainer are models:
+Plan ``stale_steps`` and the window strategy before renting GPUs. The simulator drives the live
+run's :class:`~lightning_fasync.pipeline.controller.FullyAsyncController` (step schedule, pause and
+cleanup, capacity, window strategy, TrajQueue, filter and failure policy, PipelineBuffer, metrics
+and timers) on a virtual clock; only the engines and the trainer's compute are models:
 
 - rollout replicas decode with a throughput-vs-concurrency curve: aggregate tokens/s
   ``T(c) = peak * c / (c + half)``, shared equally by the ``c`` running requests (processor
@@ -26,12 +26,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_fasync.config import FasyncConfig, set_by_path, validate
+from lightning_fasync.config import FasyncConfig, validate, with_overrides
+from lightning_fasync.pipeline.controller import FullyAsyncController
 from lightning_fasync.pipeline.datasource import ListDataSource
-from lightning_fasync.pipeline.events import EventLog
 from lightning_fasync.pipeline.flow import continuation
 from lightning_fasync.pipeline.state import PipelineState
-from lightning_fasync.pipeline.window import make_window_strategy
 from lightning_fasync.types import PromptSample, Trajectory, TrajectoryStatus
 
 
@@ -183,8 +182,49 @@ class _Replica:
         return out
 
 
+class _SimRollout:
+    """The engine side on the virtual clock: replicas with a throughput curve, the producer's
+    dispatch and the collector's passes run between engine events. Plugged into the real
+    :class:`~lightning_fasync.pipeline.controller.FullyAsyncController` in place of threads."""
+
+    def __init__(self, sim: "Simulation", state: PipelineState) -> None:
+        self.sim = sim
+        self.state = state
+
+    def start(self) -> None:
+        self.sim.run_until(self.sim.now)
+
+    def stop(self) -> None:
+        pass
+
+    def wait_for_groups(self, k: int, timeout: float) -> None:
+        self.sim.run_until_buffer(k)
+
+    def cancel_in_flight(self, timeout: float) -> None:
+        sim = self.sim
+        for r in sim.replicas:
+            for req, generated in r.abort_all():
+                sim.finish(req, min(generated, req.target - req.base_len), TrajectoryStatus.CANCELLED)
+        sim.now += sim.sim.pause_overhead_s
+
+    def await_in_flight(self, timeout: float) -> None:
+        sim = self.sim
+        while self.state.in_flight > 0:
+            t = sim.next_engine_time()
+            if math.isinf(t):
+                raise RuntimeError("Simulation stalled while waiting for in-flight requests.")
+            sim.advance_to(t)
+        sim.now += sim.sim.pause_overhead_s
+
+
 class Simulation:
-    """One simulated run of ``cfg`` (fully-async, or colocate with or without partial rollout)."""
+    """One simulated run of ``cfg`` (fully-async, or colocate with or without partial rollout).
+
+    The step protocol is the live one: :meth:`run` drives a
+    :class:`~lightning_fasync.pipeline.controller.FullyAsyncController` (its schedule, its pause and
+    cleanup, its filter and failure policy, its metrics and timers) on the virtual clock; only the
+    engines and the trainer's compute are modelled.
+    """
 
     def __init__(self, cfg: FasyncConfig, sim: SimConfig, trace: Optional[dict[int, list[int]]] = None, events_path: Optional[str] = None) -> None:
         self.cfg, self.sim, self.trace = cfg, sim, trace
@@ -199,16 +239,10 @@ class Simulation:
         self.replicas = [_Replica(sim.replica, cfg.rollout.sglang_args.max_running_requests) for _ in range(n_replicas)]
         prompts = [([0] * 8, {}) for _ in range(sim.num_prompts)]
         self.datasource = ListDataSource(prompts, shuffle=True, seed=sim.seed)
-        stale = cfg.fully_async.stale_steps if fa else cfg.rollout.sampler.num_oversample / cfg.B
-        self.events = EventLog(events_path, clock=lambda: self.now)
-        self.state = PipelineState(
-            num_prompts_per_step=cfg.B,
-            num_trajectories_per_prompt=cfg.N,
-            stale_steps=stale,
-            strategy=make_window_strategy(cfg.fully_async.sliding_window if fa else "no-window"),
-            datasource=self.datasource,
-            event_log=self.events,
+        self.controller = FullyAsyncController(
+            cfg, self.datasource, clock=lambda: self.now, rollout=lambda state: _SimRollout(self, state), events_path=events_path
         )
+        self.state = self.controller.state
         self.step_times: list[float] = []
         self.step_metrics: list[dict[str, float]] = []
 
@@ -246,7 +280,7 @@ class Simulation:
                 least = min(self.replicas, key=lambda r: r.num_running + len(r.waiting))
                 least.admit(req)
 
-    def _finish(self, req: _Request, generated: int, status: TrajectoryStatus) -> None:
+    def finish(self, req: _Request, generated: int, status: TrajectoryStatus) -> None:
         traj = req.traj
         if generated > 0:
             traj.response_ids = _Count(req.base_len + generated)
@@ -256,7 +290,7 @@ class Simulation:
         traj.status = status
         self.state.add_trajectory(traj)
 
-    def _advance_to(self, t: float) -> None:
+    def advance_to(self, t: float) -> None:
         dt = t - self.now
         if dt > 0:
             for r in self.replicas:
@@ -265,110 +299,64 @@ class Simulation:
         for r in self.replicas:
             for req in r.pop_finished():
                 final = req.target >= self.cfg.rollout.max_response_length
-                self._finish(req, req.target - req.base_len, TrajectoryStatus.TRUNCATED if final else TrajectoryStatus.COMPLETED)
+                self.finish(req, req.target - req.base_len, TrajectoryStatus.TRUNCATED if final else TrajectoryStatus.COMPLETED)
         self.state.collect_once()
 
-    def _next_engine_time(self) -> float:
+    def next_engine_time(self) -> float:
         return self.now + min((r.next_finish_dt() for r in self.replicas), default=math.inf)
 
-    def _run_until(self, t_end: float) -> None:
+    def run_until(self, t_end: float) -> None:
         """Engines (and producer, collector) run until virtual time ``t_end``."""
         while True:
             self._dispatch()
-            t = self._next_engine_time()
+            t = self.next_engine_time()
             if t > t_end:
-                self._advance_to(t_end)
+                self.advance_to(t_end)
                 self._dispatch()
                 return
-            self._advance_to(t)
+            self.advance_to(t)
 
-    def _run_until_buffer(self, k: int) -> None:
+    def run_until_buffer(self, k: int) -> None:
         while self.state.Q < k:
             self._dispatch()
-            t = self._next_engine_time()
+            t = self.next_engine_time()
             if math.isinf(t):
+                self.state.raise_if_error()
                 raise RuntimeError(
                     f"Simulation stalled: the trainer needs {k} groups, the buffer holds {self.state.Q} and nothing is generating."
                 )
-            self._advance_to(t)
+            self.advance_to(t)
 
-    def _abort_all(self) -> None:
-        for r in self.replicas:
-            for req, generated in r.abort_all():
-                self._finish(req, min(generated, req.target - req.base_len), TrajectoryStatus.CANCELLED)
-        self.state.collect_once()
+    # ------------------------------------------------------------------ trainer model (StepHooks)
 
-    def _wait_all(self) -> None:
-        while self.state.in_flight > 0:
-            t = self._next_engine_time()
-            if math.isinf(t):
-                raise RuntimeError("Simulation stalled while waiting for in-flight requests.")
-            self._advance_to(t)
-
-    def _train_seconds(self, groups: list) -> float:
+    def _train(self, groups: list) -> dict[str, float]:
+        """One training call: the engines go on generating while it runs (they are paused in colocate)."""
         tokens = sum(len(t.response_ids) for g in groups for t in g.trajectories)
         scale = self.sim.train_reference_gpus / max(self.train_gpus, 1)
-        return (self.sim.train_base_s + tokens * self.sim.train_s_per_ktoken / 1000.0) * scale
+        self.run_until(self.now + (self.sim.train_base_s + tokens * self.sim.train_s_per_ktoken / 1000.0) * scale)
+        return {}
 
-    def _boundary(self) -> dict[str, float]:
-        """The step protocol on the virtual clock: pause, cleanup, metrics, sync, resume."""
-        t0 = self.now
-        self.state.begin_pause()
-        if self.cfg.rollout.partial:
-            self._abort_all()
-        else:
-            self._wait_all()
-        self.state.drain_collect(timeout=1.0)
-        self.state.cleanup_after_pause()
-        self.now += self.sim.pause_overhead_s
-        metrics = self.state.step_metrics()
-        metrics["timing/pause_delay"] = self.now - t0
-        self.now += self.sim.weight_sync_s
-        self.events.emit("sync", step=self.state.rollout_step, R=self.state.R, Q=self.state.Q, dur=self.sim.weight_sync_s)
-        self.state.resume()
-        return metrics
+    def save_checkpoint(self, step: int) -> None:
+        pass
 
-    def _train_event(self, dt: float) -> None:
-        self.events.emit("train", step=self.state.rollout_step, R=self.state.R, Q=self.state.Q, dur=dt)
+    def sync_weights(self, version: int) -> None:
+        # Colocate also pays offload rollout + onload train + offload train + onload rollout.
+        self.now += self.sim.weight_sync_s + (self.sim.colocate_switch_s if self.controller.colocate else 0.0)
 
-    # ------------------------------------------------------------------ modes
+    # ------------------------------------------------------------------ run
 
     def run(self) -> "Simulation":
-        mb_groups = self.cfg.groups_per_minibatch
-        calls = self.cfg.minibatches_per_step
-        last = 0.0
-        for _ in range(self.sim.steps):
-            if self.cfg.fully_async.enable:
-                for _ in range(calls):
-                    self._run_until_buffer(mb_groups)
-                    groups = self.state.try_fetch(mb_groups)
-                    dt = self._train_seconds(groups)
-                    self._run_until(self.now + dt)
-                    self._train_event(dt)
-                metrics = self._boundary()
-            else:
-                # Colocate: roll out the batch on every GPU, then train on every GPU.
-                self._run_until_buffer(self.cfg.B)
-                if not self.cfg.rollout.partial:
-                    self._wait_all()
-                self.state.begin_pause()
-                self._abort_all()
-                self.state.drain_collect(timeout=1.0)
-                self.state.cleanup_after_pause()
-                self.now += self.sim.colocate_switch_s
-                for _ in range(calls):
-                    groups = self.state.try_fetch(mb_groups)
-                    dt = self._train_seconds(groups)
-                    self.now += dt
-                    self._train_event(dt)
-                metrics = self.state.step_metrics()
-                self.now += self.sim.weight_sync_s
-                self.events.emit("sync", step=self.state.rollout_step, R=self.state.R, Q=self.state.Q, dur=self.sim.weight_sync_s)
-                self.state.resume()
-            self.step_times.append(self.now - last)
-            last = self.now
-            self.step_metrics.append(metrics)
-        self.events.close()
+        ctl = self.controller
+        ctl.start()
+        last = self.now
+        try:
+            for _ in range(self.sim.steps):
+                _, metrics = ctl.run_step(self._train, self)
+                self.step_times.append(self.now - last)
+                last = self.now
+                self.step_metrics.append(metrics)
+        finally:
+            ctl.shutdown()
         return self
 
 
@@ -418,15 +406,10 @@ def summarize(name: str, run: Simulation) -> dict[str, Any]:
 
 def run_variants(base: FasyncConfig, sim: SimConfig, trace=None, events_path: Optional[str] = None) -> list[dict[str, Any]]:
     """Run every variant on a copy of ``base`` and return table rows with speedups."""
-    import copy
-
     variants = sim.variants or [Variant(name="as configured")]
     rows = []
     for v in variants:
-        cfg = copy.deepcopy(base)
-        for key, value in v.overrides.items():
-            set_by_path(cfg, key, value)
-        validate(cfg)
+        cfg = validate(with_overrides(base, v.overrides))
         path = None
         if events_path:
             path = events_path if len(variants) == 1 else events_path.replace(".jsonl", "") + f".{_slug(v.name)}.jsonl"

@@ -1,4 +1,4 @@
-"""The data model shared by every layer (DESIGN.md, "Data model").
+"""The data model shared by every layer (docs/contract.md, "Data model").
 
 Nothing here imports torch, Lightning or HTTP code: these are plain records that travel from the
 rollout engines through the pipeline to the trainer.
@@ -16,7 +16,7 @@ from typing import Any, Optional
 class PromptId:
     """A prompt's identity: its epoch and its index in that epoch's (shuffled) order.
 
-    The ordering (epoch, then index) is the PipelineBuffer's consumption priority (spec section 2).
+    The ordering (epoch, then index) is the PipelineBuffer's consumption priority (docs/contract.md §2).
     """
 
     epoch: int
@@ -171,7 +171,7 @@ class Trajectory:
 class PromptSample:
     """A prompt handed out by a datasource, to be expanded into N trajectories.
 
-    ``resume`` holds the N trajectories of a recycled group (spec section 2, step 2): the agent flow
+    ``resume`` holds the N trajectories of a recycled group (docs/contract.md §2, step 2): the agent flow
     continues each unfinished one from its tokens so far instead of starting again.
     """
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from lightning_fasync.pipeline.engine import EngineError, GenerateRequest, SamplingParams
+from lightning_fasync.pipeline.engine_client import EngineError, GenerateRequest, SamplingParams
 from lightning_fasync.policy import build_policy, save_policy
 from lightning_fasync.rollout.client import SGLangClient, expand_versions, parse_generate_response, parse_version
 from lightning_fasync.rollout.pool import RolloutPool

@@ -4,7 +4,8 @@ import warnings
 
 import pytest
 
-from lightning_fasync.config import ConfigError, ConfigWarning, FasyncConfig, config_from_dict, pipeline_capacity, validate
+from lightning_fasync.config import ConfigError, ConfigWarning, FasyncConfig, load_config, validate
+from lightning_fasync.pipeline.window import pipeline_capacity
 
 
 def fully_async(**over):
@@ -20,7 +21,7 @@ def fully_async(**over):
         for p in parts[:-1]:
             d = d.setdefault(p, {})
         d[parts[-1]] = value
-    return config_from_dict(data)
+    return load_config(data)
 
 
 def test_defaults_follow_the_spec():
@@ -53,8 +54,8 @@ def test_capacity_is_int_of_b_times_one_plus_stale(B, stale, expected):
     "over,key,fragment",
     [
         ({"colocate": True}, "`colocate`", "colocate: false"),
-        ({"run_mode": "train-only"}, "`run_mode`", "only default"),
-        ({"run_mode": "rollout-only"}, "`run_mode`", "only default"),
+        ({"run_mode": "train-only"}, "`run_mode`", "only the default mode"),
+        ({"run_mode": "rollout-only"}, "`run_mode`", "only the default mode"),
         ({"trainer.mini_batch_size": 3}, "`trainer.mini_batch_size`", "divisible"),
         ({"fully_async.stale_steps": -0.5}, "`fully_async.stale_steps`", ">= 0"),
         ({"rollout.sampler.num_oversample": 2}, "`rollout.sampler.num_oversample`", "must be 0"),
@@ -76,15 +77,25 @@ def test_forbidden_combinations_are_refused(over, key, fragment):
     assert msg.count(". ") <= 1 and "\n" not in msg  # one sentence
 
 
-def test_more_than_one_data_source_refused_in_fully_async():
+def test_more_than_one_data_source_refused_in_every_mode():
     cfg = fully_async()
     src = {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2}
-    cfg2 = config_from_dict({**cfg.to_dict(), "data_sources": [src, src]})
+    cfg2 = load_config({**cfg.to_dict(), "data_sources": [src, src]})
     with pytest.raises(ConfigError, match="`data_sources` lists 2 sources"):
         validate(cfg2)
     cfg2.fully_async.enable = False
     cfg2.colocate = True
-    validate(cfg2)  # allowed outside fully-async
+    with pytest.raises(ConfigError, match="`data_sources` lists 2 sources"):
+        validate(cfg2)  # nothing would read the second one
+    cfg2.data_sources = [cfg2.data_sources[0]]
+    validate(cfg2)
+
+
+@pytest.mark.parametrize("mode", ["train-only", "rollout-only"])
+def test_run_modes_other_than_default_are_refused(mode):
+    for cfg in (fully_async(run_mode=mode), load_config({"run_mode": mode})):
+        with pytest.raises(ConfigError, match=f"`run_mode` is '{mode}'; lightning-fasync runs only the default mode"):
+            validate(cfg)
 
 
 def test_mini_batch_not_multiple_of_n_warns():
@@ -98,16 +109,18 @@ def test_mini_batch_not_multiple_of_n_warns():
 
 def test_partial_with_mask_is_allowed_and_colocate_baseline_is_valid():
     validate(fully_async(**{"rollout.partial": True, "rollout.mask_offpolicy_in_partial_rollout": True}))
-    validate(config_from_dict({"colocate": True, "rollout": {"sampler": {"num_oversample": 8}}}))
+    validate(load_config({"colocate": True, "rollout": {"sampler": {"num_oversample": 8}}}))
 
 
 def test_unknown_and_mistyped_keys_name_the_key():
     with pytest.raises(ConfigError, match=r"`fully_async.stale` is not a configuration key"):
-        config_from_dict({"fully_async": {"stale": 1}})
+        load_config({"fully_async": {"stale": 1}})
     with pytest.raises(ConfigError, match=r"`rollout.partial` must be true or false"):
-        config_from_dict({"rollout": {"partial": "yes"}})
+        load_config({"rollout": {"partial": "maybe"}})
+    with pytest.raises(ConfigError, match=r"`nope` is not a configuration key"):
+        load_config({"nope": 1})
     with pytest.raises(ConfigError, match=r"`fully_async.stale_steps` must be a number"):
-        config_from_dict({"fully_async": {"stale_steps": "one"}})
+        load_config({"fully_async": {"stale_steps": "one"}})
 
 
 def test_plugins_must_import():

@@ -20,7 +20,7 @@ def test_ddp_two_cpu_processes(tmp_path):
     steps = 3
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
            "--trainer.enable_progress_bar=false", "--trainer.strategy=ddp", "--trainer.devices=2",
-           "--trainer.accelerator=cpu", f"--trainer.max_steps={steps * 4}", "--trainer.save_freq=2"]
+           "--trainer.accelerator=cpu", f"--trainer.rollout_steps={steps}", "--trainer.save_freq=2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
@@ -40,7 +40,7 @@ def test_ddp_two_cpu_processes(tmp_path):
 def test_ddp_refuses_a_minibatch_the_ranks_cannot_share(tmp_path):
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
            "--trainer.enable_progress_bar=false", "--trainer.strategy=ddp", "--trainer.devices=3",
-           "--trainer.accelerator=cpu", "--trainer.max_steps=4"]
+           "--trainer.accelerator=cpu", "--trainer.rollout_steps=1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode != 0
     assert "cannot share evenly" in proc.stdout + proc.stderr

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from lightning_fasync.pipeline.engine import GenerateResult, SamplingParams
+from lightning_fasync.pipeline.engine_client import GenerateResult, SamplingParams
 from lightning_fasync.policy import build_policy, save_policy
 from lightning_fasync.rollout.engine import Engine, EngineRequest
 from lightning_fasync.rollout.model_runner import UnsupportedModelError

@@ -45,7 +45,7 @@ def scalars(log_dir):
 @pytest.mark.slow
 def test_fit_end_to_end(tmp_path):
     steps = 4
-    proc = run_fit(tmp_path, f"--trainer.max_steps={steps * 4}", "--trainer.save_freq=2")
+    proc = run_fit(tmp_path, f"--trainer.rollout_steps={steps}", "--trainer.save_freq=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
 

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from lightning_fasync.lightning.batch import collate_groups
@@ -39,8 +40,7 @@ def test_training_step_gives_a_finite_loss_and_the_train_metrics():
     from lightning_fasync.config import FasyncConfig
     from lightning_fasync.lightning.batch import RolloutBatch
 
-    module = RLPolicyModule("tiny")
-    module.fasync_config = FasyncConfig()
+    module = RLPolicyModule("tiny", **RLPolicyModule.algorithm_args(FasyncConfig()))
     sample = PromptSample(PromptId(0, 0), [1, 10, 11])
     group = TrajectoryGroup(sample, 0, [traj([1, 10, 11], [20, 21, 2], [0, 0, 0], r, i) for i, r in enumerate([1.0, 0.0, 0.5, 0.25])])
     module.begin_rollout_step(0)
@@ -50,4 +50,37 @@ def test_training_step_gives_a_finite_loss_and_the_train_metrics():
     module.on_before_optimizer_step(None)
     for key in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/clip_ratio", "train/nan_ratio",
                 "perf/train_memory_allocated_max"):
-        assert math.isfinite(module.last_metrics[key]), key
+        assert math.isfinite(module.rollout_metrics()[key]), key
+
+
+def test_the_module_refuses_a_plugin_config_it_was_not_built_with():
+    from lightning_fasync.config import ConfigError, load_config
+
+    cfg = load_config({"algorithm": {"m2po": {"enable": True}}})
+    module = RLPolicyModule("tiny")  # built with the default algorithm: M2PO off
+    with pytest.raises(ConfigError, match="`algorithm` in the plugin config"):
+        module.check_fasync_config(cfg)
+    RLPolicyModule("tiny", **RLPolicyModule.algorithm_args(cfg)).check_fasync_config(cfg)
+    masked = load_config({"rollout": {"partial": True, "mask_offpolicy_in_partial_rollout": True}})
+    with pytest.raises(ConfigError, match="`rollout.mask_offpolicy_in_partial_rollout`"):
+        module.check_fasync_config(masked)
+
+
+def test_a_module_without_the_contract_is_refused_by_both_drivers():
+    import lightning.pytorch as pl
+
+    from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
+
+    class Plain(pl.LightningModule):
+        pass
+
+    with pytest.raises(TypeError, match="class Plain\\(FullyAsyncHooks"):
+        require_hooks(Plain(), "FullyAsyncCallback")
+
+    class Wrapper:  # what Fabric's setup returns: the module behind `.module`
+        def __init__(self, module):
+            self.module = module
+
+    module = RLPolicyModule("tiny")
+    assert require_hooks(Wrapper(module), "FullyAsyncFabricLoop") is module
+    assert isinstance(module, FullyAsyncHooks)

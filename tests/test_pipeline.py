@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from lightning_fasync.config import config_from_dict, validate
+from lightning_fasync.config import load_config, validate
 from lightning_fasync.pipeline.controller import FullyAsyncController
 from lightning_fasync.pipeline.datasource import ListDataSource
-from lightning_fasync.pipeline.engine import SamplingParams
+from lightning_fasync.pipeline.engine_client import SamplingParams
 from lightning_fasync.pipeline.events import EVENTS, read_jsonl
 from lightning_fasync.pipeline.flow import SingleTurnFlow
 from lightning_fasync.pipeline.instant_engine import InstantEngine
@@ -36,7 +36,7 @@ def make_cfg(**over):
         for p in parts[:-1]:
             d = d.setdefault(p, {})
         d[parts[-1]] = value
-    return validate(config_from_dict(data))
+    return validate(load_config(data))
 
 
 class Hooks:
@@ -128,10 +128,8 @@ def test_partial_pause_cancels_everything_quickly(tmp_path):
         while len(engine._held) < cfg.capacity * cfg.N and time.monotonic() < deadline:
             time.sleep(0.01)
         assert ctl.state.in_flight == cfg.capacity * cfg.N == len(engine._held)
-        ctl.producer.pause(partial=True, timeout=5)
+        ctl.pause()  # the one pause-and-cleanup of every driver
         assert ctl.state.in_flight == 0
-        ctl.state.drain_collect(5)
-        ctl.state.cleanup_after_pause()
         m = ctl.state.step_metrics()
         assert m["rollout/partial_restored_count"] == cfg.capacity * cfg.N
         assert m["rollout/partial_dropped_incomplete_count"] == 0
@@ -151,7 +149,7 @@ def test_non_partial_pause_waits_for_in_flight(tmp_path):
     try:
         time.sleep(0.2)
         with pytest.raises(PipelineError, match="fully_async.pause_timeout"):
-            ctl.producer.pause(partial=False, timeout=0.5)
+            ctl.pause()
     finally:
         ctl.shutdown(raise_errors=False)
 
@@ -174,7 +172,10 @@ def test_engine_failures_reach_the_main_thread(tmp_path):
     with pytest.raises(PipelineError, match="max_consecutive_failed_groups"):
         ctl.fetch()
     ctl.shutdown(raise_errors=False)
-    ctl.shutdown()  # idempotent, and the error was already raised once... still reported
+    ctl.shutdown()  # idempotent: a second shutdown does nothing, so it does not raise again...
+    # ...and the error is still reported: shutdown does not clear it, the next main-thread call raises it.
+    with pytest.raises(PipelineError, match="max_consecutive_failed_groups"):
+        ctl.fetch()
     ledger = read_jsonl(os.path.join(tmp_path, "ledger.jsonl"))
     assert any(r["kind"] == "recycle" and r["reason"] == "failed" for r in ledger)
 
@@ -212,7 +213,7 @@ def test_partial_trajectories_span_versions(tmp_path):
     """A token-by-token engine that honours abort: resumed trajectories cross weight versions."""
     import asyncio
 
-    from lightning_fasync.pipeline.engine import EngineClient, GenerateResult
+    from lightning_fasync.pipeline.engine_client import EngineClient, GenerateResult
 
     class TickingEngine(EngineClient):
         version = 0
@@ -291,22 +292,39 @@ def test_checkpoint_state_regenerates_unconsumed_prompts_first(tmp_path):
     class SavingHooks(Hooks):
         def save_checkpoint(self, step):
             saved["state"] = json.loads(json.dumps(ctl.state_dict()))
+            # Taken at the save, while paused: after resume() the producer may refill the buffer.
+            saved["in_buffer"] = [str(g.prompt_id) for g in ctl.state.buffer.peek_all()]
 
     ctl.start()
     try:
-        run_steps(ctl, SavingHooks(), 1)
-        in_buffer = [str(g.prompt_id) for g in ctl.state.buffer.peek_all()]
+        for _ in range(cfg.minibatches_per_step):
+            ctl.fetch()
+            ctl.record({})
+            ctl.minibatch_done()
+        # Pause only once the pipeline is full and idle (buffer at capacity, nothing in flight), so
+        # the pause cancels nothing: no group is recycled next to the buffer's unconsumed prompts,
+        # and which prompts the checkpoint holds does not depend on thread timing.
+        deadline = time.monotonic() + 10
+        while not (ctl.state.Q == cfg.capacity and ctl.state.R == 0 and ctl.state.in_flight == 0):
+            assert time.monotonic() < deadline, (ctl.state.Q, ctl.state.R, ctl.state.in_flight)
+            time.sleep(0.005)
+        ctl.step_boundary(SavingHooks())
     finally:
         ctl.shutdown()
-    assert saved["state"]["pipeline"]["rollout_step"] == 1
-    assert saved["state"]["pipeline"]["weight_version"] == 1
-    unconsumed = [p["prompt_id"] for p in saved["state"]["pipeline"]["unconsumed_prompts"]]
-    assert unconsumed == in_buffer
+    pipeline = saved["state"]["pipeline"]
+    assert pipeline["rollout_step"] == 1
+    assert pipeline["weight_version"] == 1
+    assert pipeline["datasource"]["recycled"] == []
+    unconsumed = [p["prompt_id"] for p in pipeline["unconsumed_prompts"]]
+    assert unconsumed == saved["in_buffer"] and len(unconsumed) == cfg.capacity
 
     ctl2, _ = build(cfg, tmp_path / "resumed")
     ctl2.load_state_dict(saved["state"])
-    served = [str(ctl2.state.datasource.next_sample().prompt_id) for _ in range(len(unconsumed))]
-    assert served[: len(unconsumed)] == sorted(unconsumed, key=lambda p: tuple(map(int, p.split(":")))) or set(served) >= set(unconsumed)
+    served = [str(ctl2.state.datasource.next_sample().prompt_id) for _ in range(len(unconsumed) + 1)]
+    # The unconsumed prompts come back first, oldest prompt id first; then new prompts continue
+    # where the checkpoint's datasource stopped.
+    assert served[: len(unconsumed)] == sorted(unconsumed, key=lambda p: tuple(map(int, p.split(":"))))
+    assert served[len(unconsumed)] == f"{pipeline['datasource']['epoch']}:{pipeline['datasource']['position']}"
     assert ctl2.rollout_step == 1
     ctl2.shutdown()
 

@@ -32,7 +32,7 @@ def test_protocol_and_registry(task):
     assert task.name == "repeat"
     assert task.stop_token_ids == [task.tokenizer.eos_token_id]
     assert task.max_new_tokens == task.max_len + 1
-    with pytest.raises(ValueError, match="Unknown task"):
+    with pytest.raises(ValueError, match="`data_source.task` is .*, which is not a registered task"):
         make_task("nope")
     with pytest.raises(ValueError):
         make_task("repeat", max_len=100)

@@ -162,18 +162,25 @@ TASKS: dict[str, Callable[..., Task]] = {"repeat": RepeatTask}
 
 
 def make_task(name: str, **kwargs: Any) -> Task:
-    """Build a registered task.
+    """Build a registered task, or the user's ``package.module:Class``.
 
     Args:
-        name: A key of :data:`TASKS`.
+        name: A key of :data:`TASKS`, or ``package.module:Class``.
         **kwargs: The task's parameters (e.g. ``max_len``, ``mean_len``, ``alphabet_size``,
             ``tokenizer``).
 
     Raises:
         ValueError: ``name`` is not registered.
     """
+    if ":" in name:
+        from lightning_fasync.components import instantiate
+
+        return instantiate(name, "data_source.task", kwargs)
     if name not in TASKS:
-        raise ValueError(f"Unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}.")
+        raise ValueError(
+            f"`data_source.task` is {name!r}, which is not a registered task ({', '.join(sorted(TASKS))}) "
+            "nor a package.module:Class."
+        )
     return TASKS[name](**kwargs)
 
 

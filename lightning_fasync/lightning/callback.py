@@ -2,16 +2,19 @@
 
 Hooks, in the order Lightning calls them:
 
-- ``setup``: validate the config (nothing has started yet), plan resources, start the engine
-  replicas (+ sglang-router when several), build the pipeline controller.
+- ``setup``: check the module against the config (nothing has started yet), plan resources,
+  start the engine replicas (+ sglang-router when several), build the pipeline controller.
 - ``load_state_dict`` (on resume): keep the pipeline state until the threads start.
-- ``on_train_start``: restore the pipeline state, push the trainer's weights to the engines when
-  resuming, start producer and collector.
+- ``on_train_start``: restore the pipeline state, push the trainer's weights to the engines, start
+  producer and collector.
 - ``on_train_batch_start``: fetch M // N groups from the PipelineBuffer into the batch ticket.
-- ``on_train_batch_end``: record the call's metrics; after (B × N) // M calls run the step boundary
-  through :class:`FullyAsyncController` (pause, metrics, checkpoint on ``save_freq``, weight sync,
-  resume) and log the step's metrics once, at step = rollout step.
+- ``on_train_batch_end``: record the call's metrics; when the controller's :class:`StepSchedule`
+  says the step is over, run the step boundary through :class:`FullyAsyncController` (pause,
+  metrics, checkpoint on ``save_freq``, weight sync, resume) and log the step's metrics once, at
+  step = rollout step.
 - ``on_exception`` / ``teardown``: stop threads and engines, idempotently.
+
+The module must implement :class:`~lightning_fasync.lightning.hooks.FullyAsyncHooks`.
 """
 
 from __future__ import annotations
@@ -21,12 +24,18 @@ from typing import Any, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
-from lightning_fasync.config import ConfigError, FasyncConfig, config_from_dict, validate
+from lightning_fasync.config import ConfigError, FasyncConfig, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
-from lightning_fasync.lightning.runtime import RolloutRuntime, engine_tensors
-from lightning_fasync.lightning.strategy import plan_cpu_resources
-from lightning_fasync.pipeline.controller import FullyAsyncController
+from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
+from lightning_fasync.lightning.resources import plan_cpu_resources
+from lightning_fasync.lightning.runtime import RolloutRuntime
+from lightning_fasync.pipeline.controller import FullyAsyncController, StepSchedule
+from lightning_fasync.pipeline.datasource import DataSource
+from lightning_fasync.pipeline.engine_client import EngineClient
+from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
+from lightning_fasync.pipeline.metrics import aggregation_rule
 from lightning_fasync.pipeline.state import PipelineError
 
 PROGRESS_KEYS = {
@@ -38,8 +47,7 @@ PROGRESS_KEYS = {
 
 def _refuse_sharded(strategy: Any) -> None:
     """Sharded strategies need every rank in the weight sync's state-dict gather; until that
-    path exists (and can be tested: Lightning's FSDP needs CUDA), refuse them up front rather than
-    hang at the first step boundary."""
+    path exists, refuse them up front rather than hang at the first step boundary."""
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
     if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
@@ -50,7 +58,8 @@ def _refuse_sharded(strategy: Any) -> None:
 
 
 class FullyAsyncCallback(Callback):
-    """Fully-async rollout for any LightningModule that trains on :class:`RolloutBatch` tickets.
+    """Fully-async rollout for any LightningModule that implements ``FullyAsyncHooks`` and trains
+    on :class:`RolloutBatch` tickets.
 
     With ``fully_async.enable: false`` and ``colocate: true`` the same callback runs the spec's
     colocate baseline: each step rolls out the whole batch, then trains on the same cores.
@@ -58,12 +67,14 @@ class FullyAsyncCallback(Callback):
     Arguments:
         config: the plugin config (a :class:`FasyncConfig` or a nested dict of its keys).
         engine_model: what the engines load at start (a preset name or a local Hugging Face
-            directory); default: the module's ``engine_model`` attribute. The engines get the
-            trainer's weights before generating, so only the architecture must match.
+            directory); default: the module's ``engine_model``. The engines get the trainer's
+            weights before generating, so only the architecture must match.
         log_dir: where ``events.jsonl``, ``ledger.jsonl`` and checkpoints go (default: the
             trainer's log dir).
         engine_startup_timeout: seconds each engine replica has to become healthy.
         admin_timeout: seconds a weight sync may take.
+        datasource, reward, flow, client: rollout-side objects to use instead of the config's
+            (see :class:`~lightning_fasync.lightning.runtime.RolloutRuntime`).
     """
 
     def __init__(
@@ -73,43 +84,47 @@ class FullyAsyncCallback(Callback):
         log_dir: Optional[str] = None,
         engine_startup_timeout: float = 180.0,
         admin_timeout: float = 600.0,
+        datasource: Optional[DataSource] = None,
+        reward: Optional[RewardFn] = None,
+        flow: Optional[AgentFlow] = None,
+        client: Optional[EngineClient] = None,
     ) -> None:
-        if config is None:
-            config = FasyncConfig()
-        self.cfg = config if isinstance(config, FasyncConfig) else config_from_dict(dict(config))
+        self.cfg = config if isinstance(config, FasyncConfig) else load_config(dict(config or {}))
         validate(self.cfg)  # refuse a bad config at construction, before any process exists
         self.engine_model = engine_model
         self.log_dir = log_dir
         self.engine_startup_timeout = engine_startup_timeout
         self.admin_timeout = admin_timeout
+        self._rollout_side = {"datasource": datasource, "reward": reward, "flow": flow, "client": client}
         self.controller: Optional[FullyAsyncController] = None
         self.runtime: Optional[RolloutRuntime] = None
+        self.schedule = StepSchedule.from_config(self.cfg)  # rank 0 uses the controller's own
         self._pending_state: Optional[dict[str, Any]] = None
-        self._train_block = None
         self._rank, self._world = 0, 1
         self._step = 0  # the rollout step every rank is training
-        self._calls = 0  # training calls in the current step
         self._trainer: Optional[pl.Trainer] = None
-        self._module: Optional[pl.LightningModule] = None
+        self._hooks: Optional[FullyAsyncHooks] = None
         self._closed = False
 
     # ------------------------------------------------------------------ set-up
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         cfg = self.cfg
-        self._trainer, self._module = trainer, pl_module
         _refuse_sharded(trainer.strategy)
-        pl_module.fasync_config = cfg
+        hooks = require_hooks(pl_module, "FullyAsyncCallback")
+        hooks.check_fasync_config(cfg)
+        self._trainer, self._hooks = trainer, hooks
         # Colocate time-shares every core between the phases; fully-async splits them.
         colocate = not cfg.fully_async.enable
         strategy = trainer.strategy
-        if hasattr(strategy, "resource_plan"):
+        if hasattr(strategy, "resource_plan"):  # FullyAsyncStrategy, or a user's own
             plan = strategy.resource_plan(colocate=colocate)
-            engine_threads = getattr(strategy, "engine_threads", None)
+            engine_threads, weight_sync = strategy.engine_threads, strategy.weight_sync
         else:
-            plan, engine_threads = plan_cpu_resources(1, colocate=colocate), None
+            plan, engine_threads, weight_sync = plan_cpu_resources(1, colocate=colocate), None, "tensor"
         self.log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
         self._rank, self._world = trainer.global_rank, trainer.world_size
         if self._world > 1 and cfg.groups_per_minibatch % self._world:
@@ -119,33 +134,33 @@ class FullyAsyncCallback(Callback):
                 "the world size."
             )
         if self._rank != 0:
-            # Only global rank 0 runs engines, producer and collector (DESIGN.md, process model).
+            # Only global rank 0 runs engines, producer and collector (docs/contract.md, "Processes").
             return
-        engine_model = self.engine_model or getattr(pl_module, "engine_model", None)
-        if not engine_model:
-            raise PipelineError(
-                "FullyAsyncCallback needs to know what the engines load: pass engine_model= (a preset such as "
-                "'tiny' or a local Hugging Face directory) or give the module an engine_model attribute."
-            )
         self.runtime = RolloutRuntime(
             cfg,
-            engine_model,
+            self.engine_model or hooks.engine_model,
             plan,
             self.log_dir,
             pin=trainer.strategy.root_device.type == "cpu",
             engine_threads=engine_threads,
             engine_startup_timeout=self.engine_startup_timeout,
             admin_timeout=self.admin_timeout,
+            weight_sync=weight_sync,
+            **self._rollout_side,
         )
         self.controller = self.runtime.controller
+        self.schedule = self.controller.schedule
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._pending_state = state_dict
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self.controller.state_dict() if self.controller is not None else {}
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = -1
         if self._rank == 0:
@@ -159,71 +174,55 @@ class FullyAsyncCallback(Callback):
             ctl.start()
             step = ctl.rollout_step
         self._step = self._broadcast(trainer, step)
-        self._calls = 0
-        self._begin_step(pl_module)
+        self._require_hooks().begin_rollout_step(self._step)
 
     # ------------------------------------------------------------------ the step
 
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if not isinstance(batch, RolloutBatch):
             raise TypeError(
                 f"FullyAsyncCallback expects RolloutBatch tickets from the dataloader, got {type(batch).__name__}; "
                 "return lightning_fasync.lightning.rollout_dataloader() from train_dataloader() or pass it to fit()."
             )
-        ctl = self.controller
-        groups = ctl.fetch() if self._rank == 0 else None
+        ctl, hooks = self.controller, self._require_hooks()
+        groups = ctl.fetch() if ctl is not None else None
         if self._world > 1:
             # Rank 0 fetched on its main thread; every rank trains on its share of the mini-batch.
             groups = self._broadcast(trainer, groups)[self._rank :: self._world]
         batch.groups = groups
         batch.rollout_step = self._step
-        prepare = getattr(pl_module, "prepare_rollout_batch", None)
-        if callable(prepare):
-            # Trajectory processing is wait, not training (spec section 4, perf/wait_ratio).
-            if ctl is not None:
-                with ctl.timer.time("process_traj"):
-                    batch.data = prepare(batch.groups)
-            else:
-                batch.data = prepare(batch.groups)
         if ctl is not None:
-            self._train_block = ctl.train_block()
-            self._train_block.__enter__()
+            with ctl.timer.time("process_traj"):  # wait, not training (docs/contract.md §4)
+                batch.data = hooks.prepare_rollout_batch(groups)
+            ctl.begin_train()
+        else:
+            batch.data = hooks.prepare_rollout_batch(groups)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         ctl = self.controller
-        if self._train_block is not None:
-            self._train_block.__exit__(None, None, None)
-            self._train_block = None
-        metrics = dict(getattr(pl_module, "last_metrics", {}) or {})
+        if ctl is not None:
+            ctl.end_train()
+        metrics = dict(self._require_hooks().rollout_metrics())
         if self._world > 1:
             metrics = self._reduce(trainer, metrics)
-        self._calls += 1
         if ctl is not None:
             ctl.record(metrics)
-        # Every rank counts the calls itself (the others have no controller), so the boundary
-        # falls on the same call everywhere.
-        if self._calls < self.cfg.minibatches_per_step:
+        if not self.schedule.call_done():
             return
-        self._calls = 0
         if ctl is not None:
             step, step_metrics = ctl.step_boundary(self)
             for logger in trainer.loggers:
                 logger.log_metrics(step_metrics, step=step)
-            shown = {"step": float(step)}
+            shown = {"step": step}
             shown.update({short: step_metrics[key] for key, short in PROGRESS_KEYS.items() if key in step_metrics})
             pl_module.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False)
-        else:
-            # The other ranks take part in the boundary's collectives in rank 0's order.
-            save_freq = self.cfg.trainer.save_freq
-            if save_freq > 0 and (self._step + 1) % save_freq == 0:
-                self.save_checkpoint(self._step)
-        self._step = self._broadcast(trainer, self.controller.rollout_step if ctl is not None else -1)
-        self._begin_step(pl_module)
-
-    def _begin_step(self, pl_module: pl.LightningModule) -> None:
-        begin = getattr(pl_module, "begin_rollout_step", None)
-        if callable(begin):
-            begin(self._step)
+        elif self.schedule.save_due(self._step):
+            # The other ranks take part in the checkpoint's collectives in rank 0's order.
+            self.save_checkpoint(self._step)
+        self._step = self._broadcast(trainer, ctl.rollout_step if ctl is not None else -1)
+        self._require_hooks().begin_rollout_step(self._step)
 
     def _broadcast(self, trainer: pl.Trainer, obj: Any) -> Any:
         return trainer.strategy.broadcast(obj, src=0) if self._world > 1 else obj
@@ -233,8 +232,6 @@ class FullyAsyncCallback(Callback):
         """Reduce one training call's metrics over ranks by the spec's naming rule (main thread)."""
         import torch
         import torch.distributed as dist
-
-        from lightning_fasync.pipeline.metrics import aggregation_rule
 
         keys = sorted(metrics)
         out: dict[str, float] = {}
@@ -264,15 +261,19 @@ class FullyAsyncCallback(Callback):
             os.replace(tmp, last)  # atomic: a kill mid-save never leaves a torn last.ckpt
 
     def sync_weights(self, version: int) -> None:
-        module, runtime = self._module, self.runtime
-        assert module is not None and runtime is not None
-        runtime.sync_weights(engine_tensors(module), version)
+        runtime = self.runtime
+        assert runtime is not None
+        runtime.sync_weights(self._require_hooks().engine_state_dict(), version)
 
     # ------------------------------------------------------------------ shutdown
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.controller is not None:
+            self.controller.end_train()  # a training_step that raised closes its timing block
         self._shutdown(raise_errors=False)
 
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._shutdown(raise_errors=True)
@@ -288,3 +289,8 @@ class FullyAsyncCallback(Callback):
         if self.controller is None:
             raise PipelineError("FullyAsyncCallback was not set up: it runs only in trainer.fit().")
         return self.controller
+
+    def _require_hooks(self) -> FullyAsyncHooks:
+        if self._hooks is None:
+            raise PipelineError("FullyAsyncCallback was not set up: it runs only in trainer.fit().")
+        return self._hooks

@@ -15,81 +15,47 @@ from __future__ import annotations
 import glob
 import os
 import sys
-import typing
-from dataclasses import MISSING, asdict, fields
 from typing import Any, Optional, Sequence
 
 from jsonargparse import lazy_instance
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_fasync.config import (
-    AgentFlowConfig,
-    AlgorithmConfig,
-    ConfigError,
-    DataSourceConfig,
-    FasyncConfig,
-    FullyAsyncConfig,
-    RolloutConfig,
-    TrainerConfig,
-    config_from_dict,
-    validate,
-)
+from lightning_fasync.config import ConfigError, FasyncConfig, TrainerConfig, add_config_arguments, config_from_namespace, validate
 from lightning_fasync.lightning.callback import FullyAsyncCallback
 from lightning_fasync.lightning.module import RLPolicyModule
+from lightning_fasync.lightning.progress import RolloutProgressBar
 from lightning_fasync.lightning.strategy import FullyAsyncStrategy
 
-# Spec keys under `trainer.` that Lightning's Trainer does not take.
-RL_TRAINER_KEYS = [f.name for f in fields(TrainerConfig) if f.name != "num_nodes"]
-_FIELD_DOCS = {
-    "mini_batch_size": "M: trajectories per training call; each call fetches M // N complete groups.",
-    "num_gpus_per_node": "Training GPUs per node in the resident training pool (spec key).",
-    "save_freq": "Save a checkpoint every this many rollout steps; 0 saves none periodically.",
-    "use_rollout_log_probs": "Use the engine's log-probs as the old policy instead of recomputing them.",
-}
-
-
-def _namespace_dict(ns: Any) -> Any:
-    return ns.as_dict() if hasattr(ns, "as_dict") else ns
+# Spec keys under `trainer.` that Lightning's Trainer does not take (`num_nodes` means the same in both).
+RL_TRAINER_KEYS = [k for k in TrainerConfig.__dataclass_fields__ if k != "num_nodes"]
 
 
 class FasyncCLI(LightningCLI):
-    """LightningCLI with the plugin's config groups."""
+    """LightningCLI with the plugin's config groups; the policy's algorithm arguments are linked
+    from the spec's top-level keys, so each is given once."""
 
     def add_arguments_to_parser(self, parser) -> None:  # noqa: ANN001 - jsonargparse parser
-        parser.add_class_arguments(FullyAsyncConfig, "fully_async")
-        parser.add_argument("--colocate", type=bool, default=True, help="Rollout and trainer share one resource pool.")
-        parser.add_argument("--run_mode", type=str, default="default", help="Entry mode; fully-async supports only default.")
-        parser.add_class_arguments(DataSourceConfig, "data_source")
-        parser.add_argument("--data_sources", type=Optional[list[DataSourceConfig]], default=None, help="Data sources; null means [data_source].")
-        hints = typing.get_type_hints(TrainerConfig)
-        for f in fields(TrainerConfig):
-            if f.name in RL_TRAINER_KEYS:
-                default = f.default if f.default is not MISSING else None
-                parser.add_argument(f"--trainer.{f.name}", type=hints[f.name], default=default, help=_FIELD_DOCS.get(f.name))
-        parser.add_class_arguments(RolloutConfig, "rollout")
-        # jsonargparse cannot write dataclass instances nested in a dict back to YAML; a plain dict
-        # default keeps the saved config.yaml reusable.
-        parser.set_defaults({"rollout.sglang_replicas": {k: asdict(v) for k, v in RolloutConfig().sglang_replicas.items()}})
-        parser.add_class_arguments(AgentFlowConfig, "agentflow")
-        parser.add_class_arguments(AlgorithmConfig, "algorithm")
+        add_config_arguments(parser, skip_trainer=["num_nodes"])
+        parser.link_arguments("algorithm", "model.algorithm")
+        parser.link_arguments("trainer.use_rollout_log_probs", "model.use_rollout_log_probs")
+        parser.link_arguments("rollout.mask_offpolicy_in_partial_rollout", "model.mask_offpolicy_in_partial_rollout")
 
     def before_instantiate_classes(self) -> None:
         ns = self.config[self.subcommand] if self.subcommand else self.config
         trainer_ns = ns["trainer"]
-        data: dict[str, Any] = {
-            "fully_async": _namespace_dict(ns["fully_async"]),
-            "colocate": ns["colocate"],
-            "run_mode": ns["run_mode"],
-            "data_source": _namespace_dict(ns["data_source"]),
-            "data_sources": None if ns["data_sources"] is None else [_namespace_dict(s) for s in ns["data_sources"]],
-            "trainer": {k: trainer_ns[k] for k in RL_TRAINER_KEYS} | {"num_nodes": trainer_ns["num_nodes"]},
-            "rollout": _namespace_dict(ns["rollout"]),
-            "agentflow": _namespace_dict(ns["agentflow"]),
-            "algorithm": _namespace_dict(ns["algorithm"]),
-        }
-        cfg = config_from_dict(_plain(data))
+        cfg, _ = config_from_namespace(ns)
         validate(cfg)
         self.fasync_config: FasyncConfig = cfg
+        if cfg.trainer.rollout_steps is not None:
+            calls = cfg.trainer.rollout_steps * cfg.minibatches_per_step
+            if trainer_ns.get("max_steps") not in (None, -1, calls):
+                raise ConfigError(
+                    f"`trainer.max_steps` is {trainer_ns['max_steps']} while `trainer.rollout_steps` is "
+                    f"{cfg.trainer.rollout_steps}; give one of them (max_steps counts training calls, "
+                    f"{cfg.minibatches_per_step} per rollout step)."
+                )
+            trainer_ns["max_steps"] = calls
         if ns.get("ckpt_path") == "last":
             ns["ckpt_path"] = find_last_checkpoint(trainer_ns.get("default_root_dir") or ".")
         for key in RL_TRAINER_KEYS:
@@ -99,6 +65,10 @@ class FasyncCLI(LightningCLI):
         callbacks = list(kwargs.pop("callbacks", None) or [])
         if not any(isinstance(c, FullyAsyncCallback) for c in callbacks):
             callbacks.append(FullyAsyncCallback(self.fasync_config))
+        init = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        bar = kwargs.get("enable_progress_bar", init["trainer"].get("enable_progress_bar"))
+        if bar is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(RolloutProgressBar(self.fasync_config.minibatches_per_step))
         kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(**kwargs)
 
@@ -114,15 +84,23 @@ def find_last_checkpoint(root: str) -> str:
     return max(found, key=os.path.getmtime)
 
 
-def _plain(obj: Any) -> Any:
-    """jsonargparse namespaces and tuples → plain dicts and lists."""
-    if hasattr(obj, "as_dict"):
-        obj = obj.as_dict()
-    if isinstance(obj, dict):
-        return {k: _plain(v) for k, v in obj.items() if not k.startswith("__")}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
+def _where_it_went(cli: FasyncCLI) -> None:
+    """End the run by saying where its logs, checkpoints and event log are, and how to look."""
+    trainer = getattr(cli, "trainer", None)
+    if trainer is None or not trainer.is_global_zero:
+        return
+    # The callback resolved the log dir in setup (trainer.log_dir is a collective under DDP).
+    log_dir = next((c.log_dir for c in trainer.callbacks if isinstance(c, FullyAsyncCallback)), None)
+    if not log_dir or not os.path.isdir(log_dir):
+        return
+    print(
+        f"\nRun directory: {log_dir}\n"
+        f"  metrics:      tensorboard --logdir {log_dir}\n"
+        f"  checkpoints:  {os.path.join(log_dir, 'checkpoints')}\n"
+        f"  event log:    {os.path.join(log_dir, 'events.jsonl')} "
+        f"(timeline: python -m lightning_fasync.plots timeline {os.path.join(log_dir, 'events.jsonl')} timeline.png)\n"
+        f"  ledger:       {os.path.join(log_dir, 'ledger.jsonl')}"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -139,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not any(a.startswith("--weights_only") for a in args):
             args.append("--weights_only=true")
     try:
-        FasyncCLI(
+        cli = FasyncCLI(
             RLPolicyModule,
             args=args,
             trainer_defaults={"strategy": lazy_instance(FullyAsyncStrategy), "max_epochs": -1, "log_every_n_steps": 1},
@@ -149,4 +127,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"lightning-fasync fit: error: {exc}", file=sys.stderr)
         return 2
+    _where_it_went(cli)
     return 0

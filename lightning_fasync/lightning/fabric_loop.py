@@ -1,8 +1,10 @@
 """FullyAsyncFabricLoop: the fully-async step protocol for Lightning Fabric users.
 
 The loop owns no protocol of its own: it builds the same :class:`RolloutRuntime` as
-``FullyAsyncCallback`` and drives the same :class:`FullyAsyncController` (fetch, train, step
-boundary), firing hooks on Fabric's callbacks with ``fabric.call``:
+``FullyAsyncCallback``, requires the same :class:`~lightning_fasync.lightning.hooks.FullyAsyncHooks`
+contract of the module, and runs :meth:`FullyAsyncController.run_step` (fetch → prepare → train,
+(B × N) // M times, then the step boundary). It fires hooks on Fabric's callbacks with
+``fabric.call``:
 
 ``on_fasync_train_start(loop)``, ``on_rollout_step_start(loop, step)``,
 ``on_rollout_batch_start(loop, groups)``, ``on_rollout_batch_end(loop, metrics)``,
@@ -17,12 +19,15 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from lightning_fasync.config import FasyncConfig, config_from_dict, validate
-from lightning_fasync.lightning.runtime import RolloutRuntime, engine_tensors
-from lightning_fasync.lightning.strategy import plan_cpu_resources
+from lightning_fasync.config import ConfigError, FasyncConfig, load_config, validate
+from lightning_fasync.lightning.batch import RolloutBatch
+from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
+from lightning_fasync.lightning.resources import plan_cpu_resources
+from lightning_fasync.lightning.runtime import RolloutRuntime
+from lightning_fasync.pipeline.datasource import DataSource
+from lightning_fasync.pipeline.engine_client import EngineClient
+from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
 from lightning_fasync.types import TrajectoryGroup
-
-TrainingStep = Callable[[Any], tuple[torch.Tensor, Mapping[str, float]]]
 
 
 class FullyAsyncFabricLoop:
@@ -33,6 +38,7 @@ class FullyAsyncFabricLoop:
         config: the plugin config (a :class:`FasyncConfig` or a dict of its keys).
         log_dir: where the event log, the ledger and checkpoints go.
         engine_startup_timeout, admin_timeout: as for ``FullyAsyncCallback``.
+        datasource, reward, flow, client: rollout-side objects to use instead of the config's.
     """
 
     def __init__(
@@ -42,15 +48,21 @@ class FullyAsyncFabricLoop:
         log_dir: str,
         engine_startup_timeout: float = 180.0,
         admin_timeout: float = 600.0,
+        datasource: Optional[DataSource] = None,
+        reward: Optional[RewardFn] = None,
+        flow: Optional[AgentFlow] = None,
+        client: Optional[EngineClient] = None,
     ) -> None:
         self.fabric = fabric
-        self.cfg = config if isinstance(config, FasyncConfig) else config_from_dict(dict(config))
+        self.cfg = config if isinstance(config, FasyncConfig) else load_config(dict(config))
         validate(self.cfg)
         self.log_dir = log_dir
         self.engine_startup_timeout = engine_startup_timeout
         self.admin_timeout = admin_timeout
+        self._rollout_side = {"datasource": datasource, "reward": reward, "flow": flow, "client": client}
         self.runtime: Optional[RolloutRuntime] = None
         self._model: Optional[torch.nn.Module] = None
+        self._hooks: Optional[FullyAsyncHooks] = None
         self._optimizer: Optional[torch.optim.Optimizer] = None
 
     @property
@@ -62,30 +74,56 @@ class FullyAsyncFabricLoop:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         rollout_steps: int,
-        training_step: TrainingStep,
-        prepare: Optional[Callable[[list[TrajectoryGroup]], Any]] = None,
-        engine_model: str = "tiny",
+        training_step: Optional[Callable[[RolloutBatch], torch.Tensor]] = None,
+        engine_model: Optional[str] = None,
         state: Optional[Mapping[str, Any]] = None,
     ) -> None:
         """Run ``rollout_steps`` outer steps.
 
         Arguments:
-            model, optimizer: as returned by ``fabric.setup``.
+            model, optimizer: as returned by ``fabric.setup``; the module implements
+                ``FullyAsyncHooks``.
             rollout_steps: outer steps to run.
-            training_step: ``batch -> (loss, metrics)`` for one training call; the loop does
-                ``fabric.backward``, ``optimizer.step`` and ``zero_grad``.
-            prepare: ``groups -> batch`` (timed as ``timing/process_traj``); identity by default.
-            engine_model: preset or directory the engines load (they then get the model's weights).
+            training_step: ``batch -> loss`` for one training call (default: the module's
+                ``training_step(batch, call_index)``); the loop does ``fabric.backward``,
+                ``optimizer.step`` and ``zero_grad``, and takes the call's metrics from
+                ``rollout_metrics()``.
+            engine_model: what the engines load (default: the module's ``engine_model``).
             state: a checkpoint's ``"fasync"`` entry, to resume the pipeline.
         """
         fabric, cfg = self.fabric, self.cfg
-        self._model, self._optimizer = model, optimizer
+        if fabric.world_size > 1:
+            raise ConfigError(
+                f"FullyAsyncFabricLoop runs in one process; Fabric has world_size {fabric.world_size} (use "
+                "FullyAsyncCallback with the DDP strategy for data-parallel training)."
+            )
+        hooks = require_hooks(model, "FullyAsyncFabricLoop")
+        hooks.check_fasync_config(cfg)
+        self._model, self._hooks, self._optimizer = model, hooks, optimizer
+        if training_step is None:
+            calls = iter(range(1 << 62))
+            training_step = lambda batch: model.training_step(batch, next(calls))  # noqa: E731
         plan = plan_cpu_resources(1, colocate=not cfg.fully_async.enable)
         self.runtime = RolloutRuntime(
-            cfg, engine_model, plan, self.log_dir, pin=fabric.device.type == "cpu",
-            engine_startup_timeout=self.engine_startup_timeout, admin_timeout=self.admin_timeout,
+            cfg, engine_model or hooks.engine_model, plan, self.log_dir, pin=fabric.device.type == "cpu",
+            engine_startup_timeout=self.engine_startup_timeout, admin_timeout=self.admin_timeout, **self._rollout_side,
         )
         ctl = self.runtime.controller
+
+        def prepare(groups: list[TrajectoryGroup]) -> RolloutBatch:
+            fabric.call("on_rollout_batch_start", loop=self, groups=groups)
+            return RolloutBatch(groups=groups, rollout_step=ctl.rollout_step, data=hooks.prepare_rollout_batch(groups))
+
+        def train(batch: RolloutBatch) -> dict[str, float]:
+            loss = training_step(batch)
+            fabric.backward(loss)
+            fabric.call("on_before_optimizer_step", optimizer)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            metrics = dict(hooks.rollout_metrics())
+            fabric.call("on_rollout_batch_end", loop=self, metrics=metrics)
+            return metrics
+
         ok = False
         try:
             if state is not None:
@@ -94,23 +132,9 @@ class FullyAsyncFabricLoop:
             ctl.start()
             fabric.call("on_fasync_train_start", loop=self)
             for _ in range(rollout_steps):
+                hooks.begin_rollout_step(ctl.rollout_step)
                 fabric.call("on_rollout_step_start", loop=self, step=ctl.rollout_step)
-                while True:
-                    groups = ctl.fetch()
-                    fabric.call("on_rollout_batch_start", loop=self, groups=groups)
-                    with ctl.timer.time("process_traj"):
-                        batch = prepare(groups) if prepare is not None else groups
-                    with ctl.train_block():
-                        loss, metrics = training_step(batch)
-                        fabric.backward(loss)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                    metrics = dict(metrics)
-                    ctl.record(metrics)
-                    fabric.call("on_rollout_batch_end", loop=self, metrics=metrics)
-                    if ctl.minibatch_done():
-                        break
-                step, step_metrics = ctl.step_boundary(self)
+                step, step_metrics = ctl.run_step(train, self, prepare=prepare)
                 fabric.log_dict(step_metrics, step=step)
                 fabric.call("on_rollout_step_end", loop=self, step=step, metrics=step_metrics)
             fabric.call("on_fasync_train_end", loop=self)
@@ -125,4 +149,4 @@ class FullyAsyncFabricLoop:
         self.fabric.save(path, {"model": self._model, "optimizer": self._optimizer, "fasync": self.runtime.controller.state_dict()})
 
     def sync_weights(self, version: int) -> None:
-        self.runtime.sync_weights(engine_tensors(self._model), version)
+        self.runtime.sync_weights(self._hooks.engine_state_dict(), version)

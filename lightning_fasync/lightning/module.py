@@ -3,17 +3,18 @@
 One ``training_step`` is one training call of the spec's step protocol: M // N complete groups
 (filled into the :class:`~lightning_fasync.lightning.batch.RolloutBatch` by the callback) →
 padded tensors → old log-probs under the step-start snapshot → loss → metrics. The metrics of
-each call are handed to the callback, which aggregates them at the step boundary and logs them
-once per rollout step; nothing here calls ``self.log`` for ``train/*``.
+each call reach the driver through :meth:`~FullyAsyncHooks.rollout_metrics`; it aggregates them at
+the step boundary and logs them once per rollout step, so nothing here calls ``self.log``.
 """
 
 from __future__ import annotations
 
 import resource
-from typing import Optional
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
+from typing_extensions import override
 
 from lightning_fasync.algorithms import (
     OldActorSnapshot,
@@ -22,8 +23,9 @@ from lightning_fasync.algorithms import (
     grad_norm_metric,
     mask_offpolicy_tokens,
 )
-from lightning_fasync.config import FasyncConfig
+from lightning_fasync.config import AlgorithmConfig, ConfigError, FasyncConfig
 from lightning_fasync.lightning.batch import PolicyBatch, RolloutBatch, collate_groups, rollout_dataloader
+from lightning_fasync.lightning.hooks import FullyAsyncHooks
 from lightning_fasync.types import TrajectoryGroup
 
 
@@ -57,7 +59,7 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return {"perf/train_memory_allocated_max": rss, "perf/train_memory_reserved_max": rss}
 
 
-class RLPolicyModule(pl.LightningModule):
+class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
     """A Hugging Face causal LM trained on fully-async rollouts.
 
     Arguments:
@@ -67,10 +69,13 @@ class RLPolicyModule(pl.LightningModule):
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         snapshot_offload: keep the old-actor snapshot in CPU memory (see ``OldActorSnapshot``).
+        algorithm: ``algorithm.*``: advantages, policy loss, off-policy corrections (default:
+            the spec's defaults). ``lightning-fasync fit`` links the top-level keys here.
+        use_rollout_log_probs: ``trainer.use_rollout_log_probs``.
+        mask_offpolicy_in_partial_rollout: ``rollout.mask_offpolicy_in_partial_rollout``.
 
-    The algorithm settings (``algorithm.*``, ``trainer.use_rollout_log_probs``,
-    ``rollout.mask_offpolicy_in_partial_rollout``) come from the plugin config, which
-    ``FullyAsyncCallback`` hands over in ``setup``.
+    :meth:`algorithm_args` gives the last three from a plugin config; the drivers refuse a config
+    that disagrees with them (:meth:`check_fasync_config`).
     """
 
     def __init__(
@@ -80,85 +85,119 @@ class RLPolicyModule(pl.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.99),
         snapshot_offload: bool = True,
+        algorithm: Optional[AlgorithmConfig] = None,
+        use_rollout_log_probs: bool = False,
+        mask_offpolicy_in_partial_rollout: bool = False,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["algorithm"])
         from lightning_fasync.policy import build_policy
 
+        self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
+        self.use_rollout_log_probs = use_rollout_log_probs
+        self.mask_offpolicy_in_partial_rollout = mask_offpolicy_in_partial_rollout
         self.model_name_or_path = model
         self.policy, self.tokenizer = build_policy(model)
         self.policy.train()
-        self.fasync_config: Optional[FasyncConfig] = None
         self.snapshot = OldActorSnapshot(self.policy, offload_to_cpu=snapshot_offload)
-        self.last_metrics: dict[str, float] = {}
+        self._metrics: dict[str, float] = {}
 
-    # ------------------------------------------------------------------ plugin hooks
+    @staticmethod
+    def algorithm_args(cfg: FasyncConfig) -> dict[str, Any]:
+        """The constructor arguments that come from the plugin config."""
+        return {
+            "algorithm": cfg.algorithm,
+            "use_rollout_log_probs": cfg.trainer.use_rollout_log_probs,
+            "mask_offpolicy_in_partial_rollout": cfg.rollout.mask_offpolicy_in_partial_rollout,
+        }
+
+    # ------------------------------------------------------------------ FullyAsyncHooks
 
     @property
-    def engine_model(self) -> str:
+    def engine_model(self) -> str:  # type: ignore[override]
         """What the rollout engines load at start: the same preset or directory."""
         return self.model_name_or_path
 
+    @override
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights pushed to the engines at each step boundary (Hugging Face names)."""
         return {k: v.detach() for k, v in self.policy.state_dict().items()}
 
+    @override
     def begin_rollout_step(self, step: int) -> None:
         """A new outer step starts: the old-actor snapshot of the previous one is stale."""
         self.snapshot.begin_step(step)
 
-    # ------------------------------------------------------------------ Lightning
-
+    @override
     def prepare_rollout_batch(self, groups: list[TrajectoryGroup]) -> PolicyBatch:
-        """Groups → padded tensors on this module's device (the callback times it as
-        ``timing/process_traj``, outside the training block)."""
+        """Groups → padded tensors on this module's device."""
         data = collate_groups(groups, self.tokenizer.pad_token_id)
         return PolicyBatch(**{k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in vars(data).items()})
 
+    @override
+    def rollout_metrics(self) -> dict[str, float]:
+        return self._metrics
+
+    @override
+    def check_fasync_config(self, cfg: FasyncConfig) -> None:
+        for key, value in self.algorithm_args(cfg).items():
+            mine = getattr(self, key)
+            if mine != value:
+                name = {"algorithm": "algorithm", "use_rollout_log_probs": "trainer.use_rollout_log_probs"}.get(
+                    key, "rollout.mask_offpolicy_in_partial_rollout"
+                )
+                raise ConfigError(
+                    f"`{name}` in the plugin config is {value!r}, but RLPolicyModule was built with {mine!r}; build it "
+                    "with RLPolicyModule(..., **RLPolicyModule.algorithm_args(cfg)) so the loss uses the config's settings."
+                )
+
+    # ------------------------------------------------------------------ Lightning
+
+    @override
     def train_dataloader(self):
         return rollout_dataloader()
 
+    @override
     def configure_optimizers(self):
         return torch.optim.AdamW(
             self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=self.hparams.betas
         )
 
+    @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
-        cfg = self.fasync_config or FasyncConfig()
         if batch.groups is None:
             raise RuntimeError("training_step got an unfilled RolloutBatch: add FullyAsyncCallback to the Trainer.")
+        algo = self.algorithm
         data = batch.data if batch.data is not None else self.prepare_rollout_batch(batch.groups)
         mask = data.response_mask
-        if cfg.rollout.mask_offpolicy_in_partial_rollout:
+        if self.mask_offpolicy_in_partial_rollout:
             mask = mask_offpolicy_tokens(mask, data.weight_versions).to(mask.dtype)
 
-        rewards = data.rewards
-        advantages, nan_mask = compute_advantages(rewards, cfg.algorithm)
+        advantages, nan_mask = compute_advantages(data.rewards, algo)
         advantages = advantages.reshape(-1).to(self.device)
         nan_mask = nan_mask.reshape(-1).to(self.device)
 
-        if cfg.trainer.use_rollout_log_probs:
+        if self.use_rollout_log_probs:
             old_log_probs = data.rollout_log_probs
         else:
             with torch.no_grad(), self.snapshot.use_old_weights():
                 old_log_probs, _ = token_log_probs(self.policy, data)
-        log_probs, entropy = token_log_probs(
-            self.policy, data, with_entropy=True, entropy_grad=cfg.algorithm.entropy_coef != 0.0
-        )
+        log_probs, entropy = token_log_probs(self.policy, data, with_entropy=True, entropy_grad=algo.entropy_coef != 0.0)
         loss, metrics = compute_policy_loss(
             log_probs,
             old_log_probs,
             data.rollout_log_probs,
             advantages,
             mask,
-            cfg.algorithm,
+            algo,
             entropy=entropy,
             nan_mask=nan_mask,
         )
         metrics.update(memory_metrics(self.device))
-        self.last_metrics = metrics
+        self._metrics = metrics
         return loss
 
+    @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Before Lightning's gradient clipping: the unclipped norm.
-        self.last_metrics.update(grad_norm_metric(self.policy.parameters()))
+        self._metrics.update(grad_norm_metric(self.policy.parameters()))

@@ -1,47 +1,32 @@
-"""RolloutRuntime: the engines, the agent flow, the datasource and the step-protocol controller for
-one training run. The Lightning callback and the Fabric loop both build one; neither starts
-engines or syncs weights on its own.
+"""RolloutRuntime: the engines, the agent flow, the datasource, the reward and the step-protocol
+controller for one training run. The Lightning callback and the Fabric loop both build one;
+neither starts engines or syncs weights on its own.
+
+The rollout side is injected: a datasource, reward, agent flow or engine client passed in is used
+as it is; what is not passed is built from the config's ``package.module:Name`` entries by
+:mod:`lightning_fasync.components` (built-ins by default).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Mapping, Optional
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from lightning_fasync.config import FasyncConfig
-from lightning_fasync.lightning.strategy import ResourcePlan, pin_trainer
+from lightning_fasync.components import instantiate, load_object
+from lightning_fasync.config import ConfigError, FasyncConfig
+from lightning_fasync.lightning.resources import ResourcePlan, pin_trainer
 from lightning_fasync.pipeline.controller import FullyAsyncController
-from lightning_fasync.pipeline.datasource import ListDataSource
-from lightning_fasync.pipeline.engine import SamplingParams
-from lightning_fasync.pipeline.flow import SingleTurnFlow
+from lightning_fasync.pipeline.datasource import DataSource, ListDataSource
+from lightning_fasync.pipeline.engine_client import EngineClient, SamplingParams
+from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
 from lightning_fasync.pipeline.state import PipelineError
 
-
-def engine_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights to push to the engines, under the names the engines' model uses.
-
-    ``module.engine_state_dict()`` when the module defines it; otherwise the state dict of the
-    Hugging Face model it holds (a user module wraps one, e.g. ``self.policy``), so the names carry
-    no prefix of the wrapper.
-    """
-    inner = getattr(module, "module", module)  # Fabric's wrapper
-    if hasattr(inner, "engine_state_dict"):
-        return inner.engine_state_dict()
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedModel = ()  # type: ignore[assignment]
-    if isinstance(inner, PreTrainedModel):
-        return {k: v.detach() for k, v in inner.state_dict().items()}
-    found = [m for m in inner.children() if isinstance(m, PreTrainedModel)]
-    if len(found) != 1:
-        raise PipelineError(
-            f"Cannot tell which weights the engines serve: {type(inner).__name__} holds {len(found)} Hugging Face "
-            "models; define engine_state_dict() on it."
-        )
-    return {k: v.detach() for k, v in found[0].state_dict().items()}
+WEIGHT_SYNC_MODES = ("tensor", "disk")
 
 
 class RolloutRuntime:
@@ -56,71 +41,154 @@ class RolloutRuntime:
         engine_threads: torch threads per engine (default: its core count).
         engine_startup_timeout: seconds each replica has to become healthy.
         admin_timeout: seconds one weight sync may take.
+        weight_sync: ``tensor`` (one safetensors file in shared memory, same host) or ``disk``
+            (a Hugging Face safetensors directory under ``log_dir``, SGLang's
+            ``/update_weights_from_disk``).
+        datasource, reward, flow: the rollout side's objects; None builds them from the config.
+        client: an engine client for engines someone else runs; None starts the embedded engines.
     """
 
     def __init__(
         self,
         cfg: FasyncConfig,
-        engine_model: str,
+        engine_model: Optional[str],
         plan: ResourcePlan,
         log_dir: Optional[str],
         pin: bool = True,
         engine_threads: Optional[int] = None,
         engine_startup_timeout: float = 180.0,
         admin_timeout: float = 600.0,
+        weight_sync: str = "tensor",
+        datasource: Optional[DataSource] = None,
+        reward: Optional[RewardFn] = None,
+        flow: Optional[AgentFlow] = None,
+        client: Optional[EngineClient] = None,
     ) -> None:
-        from lightning_fasync.data.tasks import make_task
-        from lightning_fasync.rollout.pool import RolloutPool
-
+        if weight_sync not in WEIGHT_SYNC_MODES:
+            raise ConfigError(f"`weight_sync` is {weight_sync!r}; it must be one of {', '.join(WEIGHT_SYNC_MODES)}.")
         self.cfg = cfg
         self.admin_timeout = admin_timeout
+        self.weight_sync = weight_sync
+        self.log_dir = log_dir
+        self.pool: Any = None
         self._closed = False
-        task = make_task(cfg.data_source.task, **cfg.data_source.task_args)
-        self.task = task
-        prompts = task.make_prompts(cfg.data_source.num_prompts, cfg.data_source.seed)
-        threads = engine_threads or max(1, len(plan.replica_cores[0]))
-        self.pool = RolloutPool(
-            engine_model,
-            num_replicas=plan.num_replicas,
-            threads_per_replica=threads,
-            max_running_requests=cfg.rollout.sglang_args.max_running_requests,
-            cpu_cores=plan.replica_cores,
-            context_length=max(len(p) for p, _ in prompts) + cfg.rollout.max_response_length + 1,
-            startup_timeout=engine_startup_timeout,
-        ).start()
+        src = cfg.sources[0]
+        self._task: Any = None
+        if datasource is None:
+            datasource = self._build_datasource()
+        if reward is None:
+            reward = load_object(src.reward, "data_source.reward") if src.reward else self.task.reward
+        context = cfg.rollout.sglang_args.context_length
+        if context is None:
+            longest = datasource.max_prompt_length
+            if longest is None:
+                raise ConfigError(
+                    f"`rollout.sglang_args.context_length` is null and the datasource {type(datasource).__name__} does not "
+                    "know its longest prompt; set the context length."
+                )
+            context = longest + cfg.rollout.max_response_length + 1
+        self._client_given = client is not None
+        if client is not None and not callable(getattr(client, f"update_weights_from_{weight_sync}", None)):
+            raise ConfigError(
+                f"The engine client {type(client).__name__} has no update_weights_from_{weight_sync}(); weight sync "
+                f"`{weight_sync}` needs it (SGLangClient has both update_weights_from_tensor and update_weights_from_disk)."
+            )
+        if client is None:
+            if not engine_model:
+                raise PipelineError(
+                    "The rollout engines need to know what to load: pass engine_model= (a preset such as 'tiny' or a "
+                    "local Hugging Face directory) or set the module's engine_model."
+                )
+            from lightning_fasync.rollout.pool import RolloutPool
+
+            threads = engine_threads or max(1, len(plan.replica_cores[0]))
+            self.pool = RolloutPool(
+                engine_model,
+                num_replicas=plan.num_replicas,
+                threads_per_replica=threads,
+                max_running_requests=cfg.rollout.sglang_args.max_running_requests,
+                cpu_cores=plan.replica_cores,
+                context_length=context,
+                startup_timeout=engine_startup_timeout,
+            ).start()
         try:
             if pin:
                 # Engines first (each pins itself), then the trainer's own pinning.
                 pin_trainer(plan.trainer_cores)
-            client = self.pool.client(max_connections=cfg.agentflow.router.max_connections)
-            sampling = SamplingParams(
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                top_k=cfg.rollout.top_k,
-                stop_token_ids=list(task.stop_token_ids),
-            )
-            flow = SingleTurnFlow(client, sampling, cfg.rollout.max_response_length, reward_fn=task.reward)
-            datasource = ListDataSource(prompts, shuffle=cfg.data_source.shuffle, seed=cfg.data_source.seed)
+            self._admin_client: Callable[[], Any] = (lambda: client) if client is not None else self.pool.client
+            if client is None:
+                client = self.pool.client(max_connections=cfg.agentflow.router.max_connections)
+            if flow is None:
+                stop = cfg.rollout.stop_token_ids
+                sampling = SamplingParams(
+                    temperature=cfg.rollout.temperature,
+                    top_p=cfg.rollout.top_p,
+                    top_k=cfg.rollout.top_k,
+                    stop_token_ids=list(stop if stop is not None else self.task.stop_token_ids),
+                )
+                flow = instantiate(
+                    cfg.agentflow.flow, "agentflow.flow", cfg.agentflow.flow_args,
+                    client=client, sampling=sampling, max_response_length=cfg.rollout.max_response_length, reward_fn=reward,
+                )
             self.controller = FullyAsyncController(cfg, datasource, flow, client, log_dir=log_dir)
         except BaseException:
-            self.pool.stop()
+            if self.pool is not None:
+                self.pool.stop()
             raise
+
+    @property
+    def task(self) -> Any:
+        """The config's task (``data_source.task``), built on first use."""
+        if self._task is None:
+            from lightning_fasync.data.tasks import make_task
+
+            src = self.cfg.sources[0]
+            self._task = make_task(src.task, **src.task_args)
+        return self._task
+
+    def _build_datasource(self) -> DataSource:
+        src = self.cfg.sources[0]
+        if src.datasource:
+            ds = instantiate(src.datasource, "data_source.datasource", src.datasource_args)
+            if not isinstance(ds, DataSource):
+                raise ConfigError(f"`data_source.datasource` built a {type(ds).__name__}, which is not a DataSource.")
+            return ds
+        prompts = self.task.make_prompts(src.num_prompts, src.seed)
+        return ListDataSource(prompts, shuffle=src.shuffle, seed=src.seed)
 
     def sync_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Push ``tensors`` to every engine as ``version`` (they flush their caches)."""
-        pool = self.pool
 
         async def push() -> None:
-            client = pool.client()
+            client = self._admin_client()
             try:
-                await asyncio.wait_for(client.update_weights_from_tensor(tensors, weight_version=version), self.admin_timeout)
+                if self.weight_sync == "tensor":
+                    await client.update_weights_from_tensor(tensors, weight_version=version)
+                else:
+                    await self._push_disk(client, tensors, version)
             finally:
-                await client.close()
+                if not self._client_given:
+                    await client.close()
 
         try:
-            asyncio.run(push())
+            asyncio.run(asyncio.wait_for(push(), self.admin_timeout))
         except asyncio.TimeoutError:
             raise PipelineError(f"The weight sync to the engines took longer than {self.admin_timeout:.0f} s.") from None
+
+    async def _push_disk(self, client: Any, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        """Write a safetensors directory, have every engine load it, remove it."""
+        from safetensors.torch import save_file
+
+        root = os.path.join(self.log_dir, "weights") if self.log_dir else None
+        if root:
+            os.makedirs(root, exist_ok=True)
+        directory = tempfile.mkdtemp(prefix=f"v{version}-", dir=root)
+        try:
+            cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+            await asyncio.get_running_loop().run_in_executor(None, save_file, cpu, os.path.join(directory, "model.safetensors"))
+            await client.update_weights_from_disk(directory, weight_version=version)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def shutdown(self, raise_errors: bool = True) -> None:
         """Stop the pipeline threads, then the engines (by pid). Idempotent."""
@@ -132,9 +200,10 @@ class RolloutRuntime:
             self.controller.shutdown(raise_errors=raise_errors)
         except BaseException as exc:  # noqa: BLE001 - stop the engines too, then report
             errors.append(exc)
-        try:
-            self.pool.stop()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
+        if self.pool is not None:
+            try:
+                self.pool.stop()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
         if raise_errors and errors:
             raise errors[0]

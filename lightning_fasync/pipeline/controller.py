@@ -1,33 +1,37 @@
-"""The step protocol, written once (spec section 2; DESIGN.md "Pipeline").
+"""The step protocol, written once (docs/contract.md §2; ``docs/contract.md``, "The step").
 
 One outer step reads like the spec:
 
 1. the producer and collector run in the background; the trainer fetches M // N groups per
    training call, (B × N) // M times;
-2. ``pause()``: stop dispatch, cancel (``rollout.partial: true``) or await in-flight requests, let
-   the collector settle, recycle complete groups and drop incomplete ones, clear TrajQueue, reset
-   the strategy; groups already in the PipelineBuffer stay;
+2. :meth:`FullyAsyncController.pause`: stop dispatch, cancel (``rollout.partial: true``) or await
+   in-flight requests, let the collector settle, recycle complete groups and drop incomplete ones,
+   clear TrajQueue, reset the strategy; groups already in the PipelineBuffer stay;
 3. aggregate the step's metrics; save a checkpoint when ``trainer.save_freq`` says so (the
    PipelineBuffer's unconsumed prompts are recorded in it); sync the new weights to every engine
    (which flushes its cache);
 4. ``resume()``: rollout step + 1, weight version + 1, production continues.
 
-The Lightning callback and the Fabric loop both drive :class:`FullyAsyncController`; neither
-re-implements any of it.
+:class:`StepSchedule` is the one place that decides when a boundary and a save are due;
+:meth:`FullyAsyncController.pause` is the one pause-and-cleanup. The Lightning callback, the
+Fabric loop, the simulator and the control-plane benchmark all drive this controller; the live
+run and the simulator differ only in the :class:`Rollout` they plug in (threads and engines, or
+engines modelled on a virtual clock).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
 from lightning_fasync.config import FasyncConfig
+from lightning_fasync.components import load_object
 from lightning_fasync.pipeline.collector import Collector
 from lightning_fasync.pipeline.datasource import DataSource
-from lightning_fasync.pipeline.engine import EngineClient
+from lightning_fasync.pipeline.engine_client import EngineClient
 from lightning_fasync.pipeline.events import EventLog, Ledger
 from lightning_fasync.pipeline.flow import AgentFlow
 from lightning_fasync.pipeline.metrics import StepTimer, aggregate_metrics
@@ -47,75 +51,172 @@ class StepHooks(Protocol):
         """Push the trainer's weights to every engine as ``version``; engines flush their cache."""
 
 
-def load_callable(path: str, key: str) -> Callable[..., Any]:
-    """Import ``module:attribute`` named by config key ``key``."""
-    module, sep, attr = path.partition(":")
-    if not sep or not module or not attr:
-        raise PipelineError(f"`{key}` is {path!r}; it must have the form module:function.")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise PipelineError(f"`{key}` is {path!r}, which cannot be imported: {exc}.") from exc
-    if not callable(fn):
-        raise PipelineError(f"`{key}` is {path!r}, which is not callable.")
-    return fn
+class Rollout(Protocol):
+    """The engine side of the pipeline, as the step protocol sees it.
+
+    The live run plugs in :class:`ThreadedRollout` (producer and collector threads in front of
+    real engines); the simulator plugs in engines modelled on a virtual clock. Everything else
+    (capacity, windows, collection, the group policy, pause cleanup, metrics) is the same
+    :class:`PipelineState` and the same controller.
+    """
+
+    def start(self) -> None:
+        """Begin producing (after any checkpoint restore)."""
+
+    def stop(self) -> None:
+        """Stop producing and release everything. Idempotent."""
+
+    def wait_for_groups(self, k: int, timeout: float) -> None:
+        """Return once the PipelineBuffer holds ``k`` groups; a clear error after ``timeout``."""
+
+    def cancel_in_flight(self, timeout: float) -> None:
+        """Abort every in-flight request; return once none is in flight (``rollout.partial``)."""
+
+    def await_in_flight(self, timeout: float) -> None:
+        """Return once every in-flight request has finished (``rollout.partial: false``)."""
+
+
+class ThreadedRollout:
+    """The live engine side: the producer thread (window strategy → agent flow → engines) and the
+    collector thread (TrajQueue → filter → PipelineBuffer)."""
+
+    def __init__(self, state: PipelineState, flow: AgentFlow, client: Optional[EngineClient], max_connections: int) -> None:
+        self.state = state
+        self.producer = RolloutProducer(state, flow, client, max_connections=max_connections)
+        self.collector = Collector(state)
+
+    def start(self) -> None:
+        self.producer.start()
+        self.collector.start()
+
+    def stop(self) -> None:
+        errors: list[BaseException] = []
+        for stop in (self.producer.stop, self.collector.stop):
+            try:
+                stop()
+            except BaseException as exc:  # noqa: BLE001 - stop the rest first
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def wait_for_groups(self, k: int, timeout: float) -> None:
+        self.state.fetch_wait(k, timeout)
+
+    def cancel_in_flight(self, timeout: float) -> None:
+        self.producer.cancel_in_flight(timeout)
+
+    def await_in_flight(self, timeout: float) -> None:
+        self.state.wait_in_flight(timeout)
+
+
+@dataclass
+class StepSchedule:
+    """When a step boundary and a checkpoint are due (docs/contract.md §2). The one place that decides.
+
+    Every data-parallel rank holds one, so the boundary falls on the same training call on every
+    rank whether or not that rank runs the pipeline.
+    """
+
+    calls_per_step: int
+    """(B × N) // M training calls per outer step."""
+    save_freq: int
+    """``trainer.save_freq``: save after every this many rollout steps; 0 never."""
+    calls: int = 0
+    """Training calls finished in the current step."""
+
+    @classmethod
+    def from_config(cls, cfg: FasyncConfig) -> "StepSchedule":
+        return cls(calls_per_step=cfg.minibatches_per_step, save_freq=cfg.trainer.save_freq)
+
+    def call_done(self) -> bool:
+        """Count a finished training call; True (and a new count) when the step boundary is due."""
+        self.calls += 1
+        if self.calls < self.calls_per_step:
+            return False
+        self.calls = 0
+        return True
+
+    def save_due(self, step: int) -> bool:
+        """Whether the boundary that ends rollout step ``step`` saves a checkpoint."""
+        return self.save_freq > 0 and (step + 1) % self.save_freq == 0
+
+
+def build_state(
+    cfg: FasyncConfig,
+    datasource: DataSource,
+    events: Optional[EventLog] = None,
+    ledger: Optional[Ledger] = None,
+    group_filter: Optional[GroupFilter] = None,
+) -> PipelineState:
+    """The :class:`PipelineState` for ``cfg``: fully-async capacity and window, or colocate's.
+
+    Colocate (the spec's baseline) rolls out the batch, pauses, then trains on the same resources:
+    capacity is B plus the synchronous over-dispatch, and no window strategy applies.
+    """
+    if group_filter is None and cfg.rollout.filter:
+        group_filter = load_object(cfg.rollout.filter, "rollout.filter")
+    colocate = not cfg.fully_async.enable
+    return PipelineState(
+        num_prompts_per_step=cfg.B,
+        num_trajectories_per_prompt=cfg.N,
+        stale_steps=cfg.fully_async.stale_steps,
+        capacity=cfg.B + cfg.rollout.sampler.num_oversample if colocate else None,
+        strategy=make_window_strategy("no-window" if colocate else cfg.fully_async.sliding_window),
+        datasource=datasource,
+        event_log=events,
+        ledger=ledger,
+        group_filter=group_filter,
+        max_consecutive_failed_groups=cfg.rollout.max_consecutive_failed_groups,
+    )
 
 
 class FullyAsyncController:
-    """Owns the pipeline threads and runs the step protocol.
+    """Owns the rollout side and runs the step protocol.
 
     Arguments:
         cfg: the validated configuration.
         datasource: the prompt supply.
-        flow: the agent flow the producer runs.
-        client: the engine client (for abort at partial step boundaries).
+        flow: the agent flow the producer runs (live runs).
+        client: the engine client (abort at partial step boundaries; closed on stop).
         log_dir: where ``events.jsonl`` and ``ledger.jsonl`` go (None: not written).
         group_filter: overrides ``rollout.filter``.
-        clock: wall clock for timings.
+        clock: the clock of timings and event times (the simulator passes its virtual clock).
+        rollout: ``state -> Rollout``; default: :class:`ThreadedRollout` over ``flow`` and ``client``.
+        events_path: write the event log here instead of ``log_dir/events.jsonl``.
     """
 
     def __init__(
         self,
         cfg: FasyncConfig,
         datasource: DataSource,
-        flow: AgentFlow,
-        client: Optional[EngineClient],
+        flow: Optional[AgentFlow] = None,
+        client: Optional[EngineClient] = None,
         log_dir: Optional[str] = None,
         group_filter: Optional[GroupFilter] = None,
         clock: Callable[[], float] = time.perf_counter,
+        rollout: Optional[Callable[[PipelineState], Rollout]] = None,
+        events_path: Optional[str] = None,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
-        t0 = time.monotonic()
-        events = EventLog(
-            os.path.join(log_dir, "events.jsonl") if (log_dir and cfg.fully_async.event_log) else None,
-            clock=lambda: time.monotonic() - t0,
-        )
+        t0 = clock()
+        if events_path is None and log_dir and cfg.fully_async.event_log:
+            events_path = os.path.join(log_dir, "events.jsonl")
+        events = EventLog(events_path, clock=lambda: clock() - t0)
         ledger = Ledger(os.path.join(log_dir, "ledger.jsonl") if log_dir else None)
-        if group_filter is None and cfg.rollout.filter:
-            group_filter = load_callable(cfg.rollout.filter, "rollout.filter")
-        # Colocate (the spec's baseline): roll out the batch, pause, then train on the same
-        # resources. Capacity is B plus the synchronous over-dispatch; no window strategy applies.
+        self.state = build_state(cfg, datasource, events, ledger, group_filter)
         self.colocate = not cfg.fully_async.enable
-        stale = cfg.rollout.sampler.num_oversample / cfg.B if self.colocate else cfg.fully_async.stale_steps
-        window = "no-window" if self.colocate else cfg.fully_async.sliding_window
-        self.state = PipelineState(
-            num_prompts_per_step=cfg.B,
-            num_trajectories_per_prompt=cfg.N,
-            stale_steps=stale,
-            strategy=make_window_strategy(window),
-            datasource=datasource,
-            event_log=events,
-            ledger=ledger,
-            group_filter=group_filter,
-            max_consecutive_failed_groups=cfg.rollout.max_consecutive_failed_groups,
-        )
-        self.producer = RolloutProducer(self.state, flow, client, max_connections=cfg.agentflow.router.max_connections)
-        self.collector = Collector(self.state)
+        if rollout is None:
+            if flow is None:
+                raise PipelineError("FullyAsyncController needs an agent flow (or a `rollout` of its own).")
+            self.rollout: Rollout = ThreadedRollout(self.state, flow, client, cfg.agentflow.router.max_connections)
+        else:
+            self.rollout = rollout(self.state)
+        self.schedule = StepSchedule.from_config(cfg)
         self.timer = StepTimer(clock)
         self._train_records: list[Mapping[str, float]] = []
-        self._minibatches = 0
         self._rollout_done = False  # colocate: the current step's rollout phase has ended
+        self._train_t0: Optional[float] = None
         self._in_boundary = False
         self._started = False
         self._closed = False
@@ -131,42 +232,64 @@ class FullyAsyncController:
         return self.state.weight_version
 
     @property
-    def minibatches_per_step(self) -> int:
-        return self.cfg.minibatches_per_step
+    def producer(self) -> RolloutProducer:
+        """The live producer (only with :class:`ThreadedRollout`)."""
+        return self.rollout.producer  # type: ignore[attr-defined]
 
     def start(self) -> None:
-        """Start producer and collector (after any checkpoint restore)."""
+        """Start producing (after any checkpoint restore)."""
         if self._closed:
             raise PipelineError("This FullyAsyncController was shut down; build a new one.")
         if self._started:
             return
-        self.producer.start()
-        self.collector.start()
+        self.rollout.start()
         self.timer.restart()
         self._started = True
 
     def shutdown(self, raise_errors: bool = True) -> None:
-        """Stop threads and close the logs. Idempotent.
+        """Stop the rollout side and close the logs. Idempotent.
 
         With ``raise_errors`` a background error not yet seen by the main thread is raised here.
         """
         if self._closed:
             return
         self._closed = True
-        errors: list[BaseException] = []
-        for stop in (self.producer.stop, self.collector.stop):
-            try:
-                stop()
-            except BaseException as exc:  # noqa: BLE001 - stop the rest first
-                errors.append(exc)
+        error: Optional[BaseException] = None
+        try:
+            self.rollout.stop()
+        except BaseException as exc:  # noqa: BLE001 - close the logs first
+            error = exc
         self.state.events.close()
         self.state.ledger.close()
         if raise_errors:
-            self.state.raise_if_error()
-            if errors:
-                raise errors[0]
+            self.state.raise_if_error(unseen_only=True)
+            if error is not None:
+                raise error
 
-    # ------------------------------------------------------------------ trainer side
+    # ------------------------------------------------------------------ the step
+
+    def run_step(
+        self,
+        train: Callable[[Any], Mapping[str, float]],
+        hooks: StepHooks,
+        prepare: Optional[Callable[[list[TrajectoryGroup]], Any]] = None,
+    ) -> tuple[int, dict[str, float]]:
+        """One outer step, top to bottom: (B × N) // M times fetch → prepare → train, then the
+        step boundary. ``train(batch)`` does one training call and returns its metrics.
+
+        Returns ``(rollout_step, metrics)`` as :meth:`step_boundary` does.
+        """
+        while True:
+            groups = self.fetch()
+            batch: Any = groups
+            if prepare is not None:
+                with self.timer.time("process_traj"):  # wait, not training (docs/contract.md §4)
+                    batch = prepare(groups)
+            with self.train_block():
+                metrics = train(batch)
+            self.record(metrics)
+            if self.minibatch_done():
+                return self.step_boundary(hooks)
 
     def fetch(self) -> list[TrajectoryGroup]:
         """M // N complete groups for one training call (main thread; ``timing/rollout``).
@@ -176,30 +299,55 @@ class FullyAsyncController:
         any training, so rollout and training never overlap.
         """
         self.state.raise_if_error()
-        fa = self.cfg.fully_async
+        k, timeout = self.cfg.groups_per_minibatch, self.cfg.fully_async.fetch_timeout
         with self.timer.time("rollout"):
             if self.colocate and not self._rollout_done:
-                self.state.fetch_wait(self.cfg.B, fa.fetch_timeout)
-                self._pause()
+                self.rollout.wait_for_groups(self.cfg.B, timeout)
+                self.pause()
                 self._rollout_done = True
-            return self.state.fetch(self.cfg.groups_per_minibatch, fa.fetch_timeout)
+            self.rollout.wait_for_groups(k, timeout)
+            groups = self.state.try_fetch(k)
+        if groups is None:  # only the main thread consumes, so the groups it waited for are there
+            raise PipelineError(f"The PipelineBuffer lost groups between the wait and the fetch ({self.state.Q} < {k}).")
+        return groups
 
-    def _pause(self) -> None:
+    def pause(self) -> None:
+        """Stop dispatch, cancel or await in-flight requests, collect what may be collected, then
+        recycle complete groups, drop incomplete ones, clear TrajQueue and reset the strategy
+        (docs/contract.md §2, step 2). The one pause-and-cleanup of every driver."""
         fa = self.cfg.fully_async
         t0 = self.clock()
-        self.producer.pause(partial=self.cfg.rollout.partial, timeout=fa.pause_timeout)
+        self.state.begin_pause()
+        if self.cfg.rollout.partial:
+            self.rollout.cancel_in_flight(fa.pause_timeout)
+        else:
+            self.rollout.await_in_flight(fa.pause_timeout)
         self.state.drain_collect(fa.pause_timeout)
         self.state.cleanup_after_pause()
         self.timer.add("pause_delay", self.clock() - t0)
 
+    def begin_train(self) -> None:
+        """A training call starts (``timing/train``); pair with :meth:`end_train`."""
+        self._train_t0 = self.clock()
+
+    def end_train(self) -> None:
+        """The training call that :meth:`begin_train` opened has ended (or raised). Idempotent."""
+        t0, self._train_t0 = self._train_t0, None
+        if t0 is None:
+            return
+        dur = self.clock() - t0
+        self.timer.add("train", dur)
+        st = self.state
+        st.events.emit("train", R=st.R, Q=st.Q, step=st.rollout_step, dur=round(dur, 6))
+
     @contextmanager
     def train_block(self) -> Iterator[None]:
         """Wrap the forward/backward/optimizer work of one training call (``timing/train``)."""
-        t0 = self.clock()
-        with self.timer.train():
+        self.begin_train()
+        try:
             yield
-        st = self.state
-        st.events.emit("train", R=st.R, Q=st.Q, step=st.rollout_step, dur=round(self.clock() - t0, 6))
+        finally:
+            self.end_train()
 
     def record(self, metrics: Mapping[str, float]) -> None:
         """Cache one training call's metrics for step-end aggregation."""
@@ -207,8 +355,7 @@ class FullyAsyncController:
 
     def minibatch_done(self) -> bool:
         """Count a finished training call; True when the step boundary is due."""
-        self._minibatches += 1
-        return self._minibatches >= self.minibatches_per_step
+        return self.schedule.call_done()
 
     # ------------------------------------------------------------------ step boundary
 
@@ -221,17 +368,15 @@ class FullyAsyncController:
         self.state.raise_if_error()
         step = self.state.rollout_step
         if not self.colocate:
-            self._pause()
+            self.pause()
 
         metrics = self.state.step_metrics()
-        train = aggregate_metrics(self._train_records)
+        metrics.update(aggregate_metrics(self._train_records))
         self._train_records = []
-        metrics.update(train)
 
         self._in_boundary = True
         try:
-            save_freq = self.cfg.trainer.save_freq
-            if save_freq > 0 and (step + 1) % save_freq == 0:
+            if self.schedule.save_due(step):
                 # The ledger is durable up to the checkpoint, and says where the checkpoint is, so
                 # an audit after a crash knows which consumptions the restored run replays.
                 self.state.ledger.flush()
@@ -250,10 +395,8 @@ class FullyAsyncController:
             self._in_boundary = False
         self.state.resume()
         self._rollout_done = False
-        timing = self.timer.finish_step()
-        for key, value in timing.items():
+        for key, value in self.timer.finish_step().items():
             metrics[key] = metrics.get(key, 0.0) + value if key.startswith("timing/") else value
-        self._minibatches = 0
         self.state.ledger.flush()
         self.state.events.flush()
         return step, metrics

@@ -1,7 +1,7 @@
 """Datasources: where prompts come from, and where recycled groups go back to.
 
 A datasource serves recycled prompts (partial groups put back at a step boundary, prompts whose
-generation must be redone) before new ones (spec section 2, step 2; DESIGN "nothing lost").
+generation must be redone) before new ones (docs/contract.md §2, step 2; docs/contract.md, "Nothing lost").
 """
 
 from __future__ import annotations
@@ -36,6 +36,12 @@ class DataSource(abc.ABC):
     @property
     def num_recycled(self) -> int:
         return 0
+
+    @property
+    def max_prompt_length(self) -> Optional[int]:
+        """The longest prompt in tokens, when the datasource knows it (sizes the engines' context;
+        None: set ``rollout.sglang_args.context_length``)."""
+        return None
 
 
 def _sample_key(sample: PromptSample) -> tuple[int, int]:
@@ -83,6 +89,10 @@ class ListDataSource(DataSource):
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def max_prompt_length(self) -> int:
+        return max(len(ids) for ids, _ in self._prompts)
 
     @property
     def num_recycled(self) -> int:

@@ -1,4 +1,4 @@
-"""The event log and the ledger (DESIGN.md, "Observability").
+"""The event log and the ledger (docs/contract.md, "Observability").
 
 - Event log: one JSON object per line, keys ``t``, ``event`` (dispatch | complete | collect |
   consume | train | pause | resume | sync), ``seq``, ``prompt``, ``R``, ``Q``, ``step``. ``train``

@@ -1,9 +1,10 @@
 """Agent flows: how one prompt sample becomes one trajectory through an engine client.
 
-The producer calls ``flow.run(sample, index, seq)`` once per trajectory. The built-in
-:class:`SingleTurnFlow` sends one ``/generate`` request and scores the response; it also resumes
-recycled partial trajectories (prompt + tokens so far, ``max_new_tokens`` reduced by what the
-trajectory already has, per-token versions continuing).
+The producer calls ``flow.run_group(sample, seq, n)`` once per dispatched group. The built-in
+:class:`SingleTurnFlow` sends the group's N requests in one batched engine call and scores the
+responses; it also resumes recycled partial trajectories (prompt + tokens so far,
+``max_new_tokens`` reduced by what the trajectory already has, per-token versions continuing).
+A flow of your own is named in ``agentflow.flow`` (docs/extending.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import abc
 import asyncio
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from lightning_fasync.pipeline.engine import EngineClient, GenerateRequest, GenerateResult, SamplingParams
+from lightning_fasync.pipeline.engine_client import EngineClient, GenerateRequest, GenerateResult, SamplingParams
 from lightning_fasync.types import PromptSample, Trajectory, TrajectoryStatus
 
 RewardFn = Callable[[PromptSample, Trajectory], Union[float, Awaitable[float]]]
@@ -93,7 +94,7 @@ def apply_result(traj: Trajectory, result: GenerateResult, max_response_length: 
 
 
 class SingleTurnFlow(AgentFlow):
-    """One engine call per trajectory, then a reward.
+    """One batched engine call per group, then a reward per finished trajectory.
 
     Arguments:
         client: the engine client (one server, or a router in front of several).
@@ -138,7 +139,7 @@ class SingleTurnFlow(AgentFlow):
                 pending.append((traj, request))
         if pending:
             # One batched call per group: the group leaves TrajQueue only when its slowest member
-            # is done anyway, and SGLang (and our client) accept batches.
+            # is done anyway; EngineClient.generate_batch fans out (or batches) the requests.
             results = await self.client.generate_batch([req for _, req in pending])
             for (traj, _), result in zip(pending, results):
                 if isinstance(result, BaseException):  # engine errors become failed trajectories

@@ -11,7 +11,7 @@ import asyncio
 import zlib
 from typing import Callable, Optional
 
-from lightning_fasync.pipeline.engine import EngineClient, GenerateRequest, GenerateResult
+from lightning_fasync.pipeline.engine_client import EngineClient, GenerateRequest, GenerateResult
 
 
 class InstantEngine(EngineClient):

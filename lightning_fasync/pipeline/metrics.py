@@ -1,4 +1,4 @@
-"""Step-end aggregation of per-mini-batch metrics, and the step timer (spec section 4).
+"""Step-end aggregation of per-mini-batch metrics, and the step timer (docs/contract.md §4).
 
 In fully-async mode one outer step trains several mini-batches; each reported value is cached and
 aggregated at step end purely by name: ``timing/*`` summed, keys ending in ``_max`` take the max,

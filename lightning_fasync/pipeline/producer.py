@@ -1,4 +1,4 @@
-"""The rollout producer: a background thread with its own asyncio event loop (spec section 2).
+"""The rollout producer: a background thread with its own asyncio event loop (docs/contract.md §2).
 
 It asks :class:`PipelineState` how many groups the window strategy allows, takes prompts from the
 datasource (recycled first), and runs N agent-flow coroutines per group; each terminal trajectory
@@ -15,7 +15,7 @@ import asyncio
 import threading
 from typing import Any, Coroutine, Optional
 
-from lightning_fasync.pipeline.engine import EngineClient
+from lightning_fasync.pipeline.engine_client import EngineClient
 from lightning_fasync.pipeline.flow import AgentFlow, continuation
 from lightning_fasync.pipeline.state import PipelineError, PipelineState
 from lightning_fasync.types import PromptSample, Trajectory, TrajectoryStatus
@@ -182,16 +182,16 @@ class RolloutProducer:
 
     # ------------------------------------------------------------------ step boundary
 
-    def pause(self, partial: bool, timeout: float) -> None:
-        """Stop dispatch; cancel (partial) or await (not partial) every in-flight request."""
-        self.state.begin_pause()
-        if not partial:
-            self.state.wait_in_flight(timeout)
-            return
+    def cancel_in_flight(self, timeout: float) -> None:
+        """Abort every in-flight request and return once none is in flight (a partial pause).
+
+        Requests still queued behind ``agentflow.router.max_connections`` return cancelled without
+        reaching the engine; requests that reached the engine after its abort pass are aborted
+        again while waiting.
+        """
         self._cancel_queued = True
         try:
             self._abort_in_flight(timeout)
-            # Requests that reached the engine after its abort pass are aborted again.
             self.state.wait_in_flight(timeout, poll=lambda: self._abort_in_flight(timeout, wait=False))
         finally:
             self._cancel_queued = False

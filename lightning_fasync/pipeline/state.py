@@ -24,12 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from lightning_fasync.config import pipeline_capacity
 from lightning_fasync.pipeline.buffer import PipelineBuffer
 from lightning_fasync.pipeline.datasource import DataSource
 from lightning_fasync.pipeline.events import EventLog, Ledger
 from lightning_fasync.pipeline.traj_queue import PendingGroup, TrajQueue
-from lightning_fasync.pipeline.window import WindowStrategy, WindowView
+from lightning_fasync.pipeline.window import WindowStrategy, WindowView, pipeline_capacity
 from lightning_fasync.types import PromptSample, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 GroupFilter = Callable[[TrajectoryGroup], bool]
@@ -64,6 +63,7 @@ class PipelineState:
         num_prompts_per_step: B.
         num_trajectories_per_prompt: N.
         stale_steps: ``fully_async.stale_steps``; capacity ``C = int(B * (1 + stale_steps))``.
+        capacity: C given directly instead (colocate: B plus the synchronous over-dispatch).
         strategy: the sliding-window strategy.
         datasource: prompt supply and recycle buffer.
         event_log, ledger: optional observability sinks.
@@ -76,17 +76,18 @@ class PipelineState:
         *,
         num_prompts_per_step: int,
         num_trajectories_per_prompt: int,
-        stale_steps: float,
+        stale_steps: float = 0.0,
         strategy: WindowStrategy,
         datasource: DataSource,
         event_log: Optional[EventLog] = None,
         ledger: Optional[Ledger] = None,
         group_filter: Optional[GroupFilter] = None,
         max_consecutive_failed_groups: int = 16,
+        capacity: Optional[int] = None,
     ) -> None:
         self.B = num_prompts_per_step
         self.N = num_trajectories_per_prompt
-        self.C = pipeline_capacity(num_prompts_per_step, stale_steps)
+        self.C = pipeline_capacity(num_prompts_per_step, stale_steps) if capacity is None else capacity
         if self.C < 1:
             raise ValueError(f"Pipeline capacity int(B * (1 + stale_steps)) is {self.C}; it must be >= 1.")
         self.strategy = strategy
@@ -112,6 +113,7 @@ class PipelineState:
         self.weight_version = 0
         self._consecutive_failed = 0
         self._error: Optional[BaseException] = None
+        self._error_seen = False
         self._stats = _StepStats()
         self._wake_listeners: list[Callable[[], None]] = []
         # Bumped whenever a collection decision could change (a group completed, Q moved, the
@@ -122,7 +124,7 @@ class PipelineState:
 
     @property
     def R(self) -> int:  # noqa: N802 - the spec's symbol
-        """Groups dispatched but not yet collected (spec section 3)."""
+        """Groups dispatched but not yet collected (docs/contract.md §3)."""
         return len(self.queue) + self._collecting
 
     @property
@@ -158,10 +160,17 @@ class PipelineState:
             self._fetch_cv.notify_all()
         self._wake_producer()
 
-    def raise_if_error(self) -> None:
+    def raise_if_error(self, unseen_only: bool = False) -> None:
+        """Re-raise a background thread's error on the calling (main) thread.
+
+        With ``unseen_only`` only an error the main thread has not been given yet is raised (what
+        ``shutdown`` reports: an error already raised once is not raised again at teardown).
+        """
         err = self._error
-        if err is not None:
-            raise PipelineError(f"A rollout thread failed: {type(err).__name__}: {err}") from err
+        if err is None or (unseen_only and self._error_seen):
+            return
+        self._error_seen = True
+        raise PipelineError(f"A rollout thread failed: {type(err).__name__}: {err}") from err
 
     # ------------------------------------------------------------------ producer side
 
@@ -301,9 +310,8 @@ class PipelineState:
         return taken
 
     def _finish_collect(self, groups: Sequence[PendingGroup], verdicts: Sequence[str]) -> None:
-        # Always wake the producer: a collection moves the oldest uncollected seq (window-gated)
-        # and a drop frees capacity.
-        wake = True
+        # The producer is always woken: a collection moves the oldest uncollected seq
+        # (window-gated) and a drop frees capacity.
         failed_too_often = None
         with self.cond:
             for group, verdict in zip(groups, verdicts):
@@ -320,9 +328,7 @@ class PipelineState:
                     self._consecutive_failed = 0
                     self._stats.filter_drop += 1
                     self.ledger.record("drop", prompt=str(pid), seq=group.seq, step=self.rollout_step, reason="filter")
-                    wake = True
                 else:
-                    wake = True
                     self._consecutive_failed += 1
                     errors = [t.error for t in group.trajectories.values() if t.error]
                     retries = int(group.sample.metadata.get("_failed_retries", 0))
@@ -346,8 +352,7 @@ class PipelineState:
             self.cond.notify_all()
         if failed_too_often is not None:
             self.set_error(failed_too_often)
-        if wake:
-            self._wake_producer()
+        self._wake_producer()
 
     # ------------------------------------------------------------------ trainer side
 
@@ -435,7 +440,7 @@ class PipelineState:
     # ------------------------------------------------------------------ step boundary
 
     def begin_pause(self) -> None:
-        """Stop dispatching (spec section 2, step 2)."""
+        """Stop dispatching (docs/contract.md §2, step 2)."""
         with self.cond:
             self.paused = True
             if self.events.enabled:
@@ -465,7 +470,7 @@ class PipelineState:
         """Recycle complete groups, drop incomplete ones, clear TrajQueue, reset the strategy.
 
         Must run once nothing is in flight and after a last collection pass. "Complete" means N
-        trajectories assembled, finished or not (spec section 4, ``partial_restored_count``). An
+        trajectories assembled, finished or not (docs/contract.md §4, ``partial_restored_count``). An
         incomplete group loses its partial tokens (counted in
         ``partial_dropped_incomplete_count``) but not its prompt: the prompt is regenerated from
         scratch, so nothing is lost.
@@ -502,7 +507,7 @@ class PipelineState:
         self.ledger.record("recycle", prompt=str(sample.prompt_id), seq=group.seq, step=self.rollout_step, reason=reason)
 
     def resume(self) -> None:
-        """Rollout step + 1, weight version + 1, dispatch again (spec section 2, step 4)."""
+        """Rollout step + 1, weight version + 1, dispatch again (docs/contract.md §2, step 4)."""
         with self.cond:
             self.rollout_step += 1
             self.weight_version += 1
@@ -514,7 +519,7 @@ class PipelineState:
         self._wake_producer()
 
     def step_metrics(self) -> dict[str, float]:
-        """The rollout metrics of spec section 4 for the step that just paused, then reset them.
+        """The rollout metrics of docs/contract.md §4 for the step that just paused, then reset them.
 
         ``partial_restored_count`` and ``partial_dropped_incomplete_count`` are reported only when
         there was data to recycle, as the spec says.
@@ -549,8 +554,8 @@ class PipelineState:
     def state_dict(self) -> dict[str, Any]:
         """Checkpoint state; taken at a step boundary (nothing in flight, TrajQueue empty).
 
-        The buffer's unconsumed prompts are saved ahead of the datasource's own recycle queue so
-        that after recovery they are regenerated first (spec section 2, step 3).
+        The buffer's unconsumed prompts are saved beside the datasource's recycle queue; on restore
+        both are served before new prompts, oldest prompt id first (docs/contract.md §2, step 3).
         """
         with self.cond:
             if self.in_flight or len(self.queue):

@@ -1,4 +1,4 @@
-"""TrajQueue: trajectories in, complete groups out (spec section 2).
+"""TrajQueue: trajectories in, complete groups out (docs/contract.md §2).
 
 Trajectories arrive one by one, in any order, from the agent flow. They are assembled by prompt
 id; a group leaves only once all N of its trajectories have arrived. The queue also answers the

@@ -1,4 +1,4 @@
-"""Sliding-window strategies (spec section 3) and their registry.
+"""Sliding-window strategies (docs/contract.md §3) and their registry.
 
 A strategy answers two questions, both counted in prompt groups:
 
@@ -19,9 +19,14 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
 
+def pipeline_capacity(num_prompts_per_step: int, stale_steps: float) -> int:
+    """C = int(B * (1 + stale_steps)): the spec's capacity, floored exactly as ``int(...)`` does."""
+    return int(num_prompts_per_step * (1 + stale_steps))
+
+
 @dataclass(frozen=True)
 class WindowView:
-    """What a strategy may look at (spec section 3).
+    """What a strategy may look at (docs/contract.md §3).
 
     Attributes:
         B: prompt groups per training step (``data_source.num_prompts_per_step``).
@@ -47,7 +52,7 @@ class WindowView:
 
 @runtime_checkable
 class WindowStrategy(Protocol):
-    """The two questions a sliding-window strategy answers (spec section 3)."""
+    """The two questions a sliding-window strategy answers (docs/contract.md §3)."""
 
     def dispatch_count(self, view: WindowView) -> int:
         """Number of groups that may be dispatched now (>= 0)."""

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import aiohttp
 
-from lightning_fasync.pipeline.engine import EngineClient, EngineError, GenerateRequest, GenerateResult
+from lightning_fasync.pipeline.engine_client import EngineClient, EngineError, GenerateRequest, GenerateResult
 
 RETRYABLE_STATUS = (502, 503, 504)  # router without a healthy worker, worker restarting
 

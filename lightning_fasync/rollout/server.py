@@ -8,7 +8,6 @@ Request validation lives in ``rollout/protocol.py``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import glob
 import json
@@ -20,6 +19,7 @@ import time
 from typing import Any, Optional
 
 from aiohttp import web
+from jsonargparse import ArgumentParser, Namespace
 
 from lightning_fasync.rollout import protocol
 from lightning_fasync.rollout.engine import EngineDeadError
@@ -315,8 +315,8 @@ def build_app(engine: Any, tokenizer: Any, model_path: str, api_key: Optional[st
 # ------------------------------------------------------------------------------ process entry
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="lightning-fasync serve", description="Serve one embedded rollout engine replica.")
+def parse_args(argv: Optional[list[str]] = None) -> Namespace:
+    p = ArgumentParser(prog="lightning-fasync serve", default_env=False, description="Serve one embedded rollout engine replica.")
     p.add_argument("--model", required=True, help="Local Hugging Face model directory or a preset (tiny, qwen3-0.6b-shape).")
     p.add_argument("--port", type=int, required=True, help="Port to listen on.")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")

@@ -1,6 +1,6 @@
-"""The engine-client interface the producer talks to, and the agent flow that turns a prompt into
-a trajectory (spec section 2: "dispatches to AgentFlow ... AgentFlow then interfaces with the
-inference engine").
+"""The engine-client interface the agent flows and the producer talk to (docs/contract.md §2:
+"dispatches to AgentFlow ... AgentFlow then interfaces with the inference engine"), and the
+request and result types of one ``/generate`` call. The flows themselves live in ``flow.py``.
 
 The HTTP client for SGLang-compatible servers lives in ``lightning_fasync.rollout``; this module
 only fixes the contract so the pipeline stays free of HTTP and model imports.

@@ -1,0 +1,74 @@
+"""The contract between a policy module and the fully-async drivers.
+
+:class:`FullyAsyncHooks` is to :class:`~lightning_fasync.lightning.FullyAsyncCallback` and
+:class:`~lightning_fasync.lightning.FullyAsyncFabricLoop` what Lightning's ``ModelHooks`` is to the
+Trainer: a mixin of documented hooks with working defaults. A module opts in by listing it among
+its bases (``class MyPolicy(FullyAsyncHooks, LightningModule)``) and overrides what it needs; both
+drivers require it and call exactly these hooks, nothing looked up by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+from lightning_fasync.types import TrajectoryGroup
+
+__all__ = ["FullyAsyncHooks", "require_hooks"]
+
+
+class FullyAsyncHooks:
+    """Hooks a policy module offers the fully-async drivers (all optional to override)."""
+
+    engine_model: Optional[str] = None
+    """What the rollout engines load at start: a preset name (``tiny``) or a local Hugging Face
+    directory. The engines receive the trainer's weights before they generate, so only the
+    architecture must match. The driver's own ``engine_model=`` argument takes precedence."""
+
+    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights pushed to the engines at every step boundary, under the engines' (Hugging
+        Face) names. Default: the state dict of the one Hugging Face model the module holds (the
+        module itself or one of its children), so names carry no wrapper prefix."""
+        from transformers import PreTrainedModel
+
+        module: Any = self
+        if isinstance(module, PreTrainedModel):
+            found = [module]
+        else:
+            found = [m for m in module.children() if isinstance(m, PreTrainedModel)]
+        if len(found) != 1:
+            raise TypeError(
+                f"Cannot tell which weights the engines serve: {type(self).__name__} holds {len(found)} Hugging Face "
+                "models; override engine_state_dict()."
+            )
+        return {k: v.detach() for k, v in found[0].state_dict().items()}
+
+    def prepare_rollout_batch(self, groups: list[TrajectoryGroup]) -> Any:
+        """Turn one training call's M // N groups into what ``training_step`` reads as
+        ``batch.data`` (timed as ``timing/process_traj``, outside the training block). Default:
+        the groups themselves."""
+        return groups
+
+    def begin_rollout_step(self, step: int) -> None:
+        """Rollout step ``step`` starts (every rank, before its first training call)."""
+
+    def rollout_metrics(self) -> Mapping[str, float]:
+        """Metrics of the training call that just ended (``train/*``, ``timing/*``); the driver
+        aggregates them by name at the step boundary and logs them once per rollout step."""
+        return {}
+
+    def check_fasync_config(self, cfg: Any) -> None:
+        """Refuse (raise ``ConfigError``) a plugin config that disagrees with how the module was
+        built; called once by the driver before anything starts."""
+
+
+def require_hooks(module: Any, driver: str) -> FullyAsyncHooks:
+    """The module behind ``module`` (unwrapping Fabric's wrapper), checked to implement the contract."""
+    inner = getattr(module, "module", module) if not isinstance(module, FullyAsyncHooks) else module
+    if not isinstance(inner, FullyAsyncHooks):
+        raise TypeError(
+            f"{driver} needs a module that implements lightning_fasync.lightning.FullyAsyncHooks; "
+            f"{type(inner).__name__} does not. Add it to the bases: class {type(inner).__name__}(FullyAsyncHooks, ...)."
+        )
+    return inner
