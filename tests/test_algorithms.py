@@ -440,3 +440,9 @@ def test_mask_offpolicy_tokens_per_row_version_and_errors():
         mask_offpolicy_tokens([1, 1], [1])
     with pytest.raises(ValueError, match="`weight_versions`"):
         mask_offpolicy_tokens(torch.ones(2, 3), torch.ones(2, 2))
+
+
+def test_k3_kl_is_nonnegative_for_tiny_log_ratios():
+    # exp(d) - d - 1 rounds to a negative number for ~1 % of |d| < 1e-7; expm1(d) - d does not.
+    d = torch.linspace(-1e-7, 1e-7, 200_001, dtype=torch.float64)
+    assert bool((k3_kl(torch.zeros_like(d), d) >= 0).all())

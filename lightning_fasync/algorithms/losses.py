@@ -159,7 +159,9 @@ def k3_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
             f"it must match `log_probs` {tuple(log_probs.shape)}."
         )
     d = (ref_log_probs.detach() - log_probs).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
-    return torch.exp(d) - d - 1.0
+    # expm1(d) - d, not exp(d) - d - 1: for |d| ~ 1e-10 the latter rounds to a tiny negative value,
+    # while expm1(d) >= d holds in floating point too, so the estimator stays >= 0.
+    return torch.expm1(d) - d
 
 
 def approx_kl_k3(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> float:
