@@ -1,6 +1,6 @@
 """Pictures of a run: a scalar curve from TensorBoard event files, a timeline from the event log.
 
-    python -m lightning_fasync.plots reward runs/tiny_cpu/lightning_logs/version_0 docs/tiny_cpu_reward.png
+    python -m lightning_fasync.plots reward runs/tiny_cpu/lightning_logs/version_0 reward.png
     python -m lightning_fasync.plots timeline runs/tiny_cpu/lightning_logs/version_0/events.jsonl timeline.png
 """
 

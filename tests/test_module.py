@@ -84,3 +84,38 @@ def test_a_module_without_the_contract_is_refused_by_both_drivers():
     module = RLPolicyModule("tiny")
     assert require_hooks(Wrapper(module), "FullyAsyncFabricLoop") is module
     assert isinstance(module, FullyAsyncHooks)
+
+
+def test_lr_schedules_warm_up_and_decay_to_the_floor():
+    from lightning_fasync.lightning.module import lr_factor
+
+    cos = lr_factor("cosine", warmup_steps=4, min_lr_ratio=0.1, total_steps=104)
+    assert [cos(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert cos(4) == pytest.approx(1.0) and cos(54) == pytest.approx(0.55) and cos(104) == pytest.approx(0.1)
+    assert cos(500) == pytest.approx(0.1)  # past the end: stays at the floor
+    lin = lr_factor("linear", warmup_steps=0, min_lr_ratio=0.0, total_steps=10)
+    assert [round(lin(s), 6) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    assert lr_factor("constant", 0, 0.1, 10)(7) == 1.0
+
+
+def test_bad_schedule_settings_are_refused_naming_the_key():
+    from lightning_fasync.config import ConfigError
+
+    with pytest.raises(ConfigError, match="`model.lr_schedule` is 'step'"):
+        RLPolicyModule("tiny", lr_schedule="step")
+    with pytest.raises(ConfigError, match="`model.min_lr_ratio` 2"):
+        RLPolicyModule("tiny", lr_schedule="cosine", min_lr_ratio=2)
+
+
+def test_training_step_reports_the_version_lag_of_what_it_trained():
+    from lightning_fasync.lightning.batch import RolloutBatch
+
+    module = RLPolicyModule("tiny")
+    sample = PromptSample(PromptId(0, 0), [1, 10, 11])
+    group = TrajectoryGroup(sample, 0, [traj([1, 10, 11], [20, 21, 2], [0, 1, 1], r, i) for i, r in enumerate([1.0, 0.0])])
+    module.begin_rollout_step(2)
+    module.training_step(RolloutBatch(groups=[group], rollout_step=2), 0)
+    m = module.rollout_metrics()
+    assert m["train/version_lag_max"] == 2 and m["train/version_lag_min"] == 1
+    assert m["train/version_lag_mean"] == pytest.approx(4 / 3)
+    assert m["train/lag1/token_frac"] == pytest.approx(2 / 3) and m["train/lag2/token_frac"] == pytest.approx(1 / 3)

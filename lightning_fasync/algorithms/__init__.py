@@ -24,14 +24,17 @@ from lightning_fasync.algorithms.losses import (
 from lightning_fasync.algorithms.metrics import METRIC_KEYS, grad_norm_metric
 from lightning_fasync.algorithms.policy_loss import LOSS_METRIC_KEYS, compute_policy_loss, policy_loss
 from lightning_fasync.algorithms.snapshot import OldActorSnapshot
+from lightning_fasync.algorithms.staleness import LAG_BUCKETS, VERSION_LAG_KEYS, version_lag, version_lag_metrics
 
 __all__ = [
     "IS_LEVELS",
     "IS_MODES",
+    "LAG_BUCKETS",
     "LOSS_AGG_MODES",
     "LOSS_METRIC_KEYS",
     "METRIC_KEYS",
     "OldActorSnapshot",
+    "VERSION_LAG_KEYS",
     "aggregate_loss",
     "approx_kl_k3",
     "compute_advantages",
@@ -48,4 +51,6 @@ __all__ = [
     "policy_loss",
     "ppo_clip_token_loss",
     "sequence_mean_kl",
+    "version_lag",
+    "version_lag_metrics",
 ]

@@ -22,6 +22,7 @@ from lightning_fasync.algorithms import (
     compute_policy_loss,
     grad_norm_metric,
     mask_offpolicy_tokens,
+    version_lag_metrics,
 )
 from lightning_fasync.config import AlgorithmConfig, ConfigError, FasyncConfig
 from lightning_fasync.lightning.batch import PolicyBatch, RolloutBatch, collate_groups, rollout_dataloader
@@ -59,6 +60,27 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return {"perf/train_memory_allocated_max": rss, "perf/train_memory_reserved_max": rss}
 
 
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def lr_factor(schedule: str, warmup_steps: int, min_lr_ratio: float, total_steps: int):
+    """``step -> lr multiplier``: linear warm-up over ``warmup_steps``, then ``constant``, or
+    ``cosine`` / ``linear`` decay to ``min_lr_ratio`` at ``total_steps``."""
+    import math
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+        return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+    return factor
+
+
 class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
     """A Hugging Face causal LM trained on fully-async rollouts.
 
@@ -69,6 +91,11 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
         snapshot_offload: keep the old-actor snapshot in CPU memory (see ``OldActorSnapshot``).
+        lr_schedule: ``constant``, or ``cosine`` / ``linear`` decay from ``lr`` to
+            ``lr * min_lr_ratio`` over the run's training calls (Lightning's ``max_steps``), after
+            ``warmup_steps`` calls of linear warm-up.
+        warmup_steps: training calls of linear warm-up (0: none).
+        min_lr_ratio: the decayed schedules' final learning rate, as a share of ``lr``.
         algorithm: ``algorithm.*``: advantages, policy loss, off-policy corrections (default:
             the spec's defaults). ``lightning-fasync fit`` links the top-level keys here.
         use_rollout_log_probs: ``trainer.use_rollout_log_probs``.
@@ -85,11 +112,21 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.99),
         snapshot_offload: bool = True,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
         algorithm: Optional[AlgorithmConfig] = None,
         use_rollout_log_probs: bool = False,
         mask_offpolicy_in_partial_rollout: bool = False,
     ) -> None:
         super().__init__()
+        if lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"`model.lr_schedule` is {lr_schedule!r}; it must be one of {', '.join(LR_SCHEDULES)}.")
+        if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
+            raise ConfigError(
+                f"`model.warmup_steps` is {warmup_steps} and `model.min_lr_ratio` {min_lr_ratio}; "
+                "they must be >= 0 and in [0, 1]."
+            )
         self.save_hyperparameters(ignore=["algorithm"])
         from lightning_fasync.policy import build_policy
 
@@ -159,9 +196,19 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
 
     @override
     def configure_optimizers(self):
-        return torch.optim.AdamW(
-            self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, betas=self.hparams.betas
-        )
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(self.policy.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=hp.betas)
+        if hp.lr_schedule == "constant" and hp.warmup_steps == 0:
+            return optimizer
+        total = self.trainer.max_steps if self._trainer is not None else -1
+        if hp.lr_schedule != "constant" and (total is None or total <= 0):
+            raise ConfigError(
+                f"`model.lr_schedule` is {hp.lr_schedule!r}, which decays over the run: set `trainer.rollout_steps` "
+                "(or Lightning's max_steps)."
+            )
+        factor = lr_factor(hp.lr_schedule, hp.warmup_steps, hp.min_lr_ratio, total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
@@ -193,6 +240,17 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             entropy=entropy,
             nan_mask=nan_mask,
         )
+        if batch.rollout_step >= 0:
+            # How old the trained tokens are, and how the corrections behave at each lag.
+            metrics.update(
+                version_lag_metrics(
+                    data.weight_versions, mask, batch.rollout_step, old_log_probs=old_log_probs,
+                    rollout_log_probs=data.rollout_log_probs, log_probs=log_probs.detach(), advantages=advantages,
+                    is_c=algo.is_correction.c, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                )
+            )
+        if self._trainer is not None and self.trainer.optimizers:
+            metrics["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
         metrics.update(memory_metrics(self.device))
         self._metrics = metrics
         return loss
