@@ -97,7 +97,7 @@ def test_print_config_lists_every_spec_key(tmp_path):
     proc = run_fit(tmp_path, "--print_config", timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for key in ("fully_async:", "sliding_window: windowed-fifo", "stale_steps: 1.0", "colocate: false", "run_mode: default",
+    for key in ("fully_async:", "sliding_window: windowed-fifo", "stale_steps: 0.0", "colocate: false", "run_mode: default",
                 "num_prompts_per_step: 16", "mini_batch_size: 32", "save_freq:", "use_rollout_log_probs: false",
                 "num_gpus_per_node:", "sglang_replicas:", "num_oversample: 0", "partial: true",
                 "mask_offpolicy_in_partial_rollout:", "max_running_requests:", "max_connections: 512", "m2po:", "opsm:",
