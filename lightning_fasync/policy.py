@@ -1,9 +1,9 @@
 """Policy model presets: build a causal LM and its tokenizer from a local directory or a preset name.
 
 Presets need no download: ``tiny`` is a small Qwen2-architecture model with seeded random weights and
-a character-level tokenizer (printable ASCII plus ``<pad>``, ``<s>``, ``</s>``, ``<unk>``), the
-embedded default policy of tests and CPU runs. ``qwen3-0.6b-shape`` has Qwen3-0.6B's dimensions with
-random weights, for GPU throughput benchmarks only.
+a character-level tokenizer (printable ASCII plus ``<pad>``, ``<s>``, ``</s>``, ``<unk>``) with a
+ChatML chat template, the embedded default policy of tests and CPU runs. ``qwen3-0.6b-shape`` has
+Qwen3-0.6B's dimensions with random weights, for GPU throughput benchmarks only.
 
 Weights are only ever read from safetensors (``use_safetensors=True``), never from pickles.
 """
@@ -18,6 +18,35 @@ import torch
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 _TINY_SEED = 1234
+# ChatML as Qwen2.5 writes it, tools included (without Qwen's instructions, to fit the tiny model's
+# context): a ``<tools>`` block in the system turn, assistant ``tool_calls`` as ``<tool_call>`` JSON,
+# ``tool`` messages as ``<tool_response>`` user turns. (The char tokenizer has no newline: it encodes
+# as ``<unk>``.)
+TINY_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set args = call.function.arguments %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    "+ (args if args is string else args | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def build_char_tokenizer() -> Any:
@@ -58,6 +87,7 @@ def _build_tiny(dtype: torch.dtype) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=96,

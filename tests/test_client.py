@@ -18,12 +18,14 @@ from lightning_fasync.rollout.pool import RolloutPool
 
 
 def test_version_spans_expand_to_one_version_per_token():
-    assert expand_versions({"weight_versions": [[0, 2, "3"], [2, 5, "4"]]}, 5) == [3, 3, 4, 4, 4]
-    assert expand_versions({"weight_versions": ["1", "2"]}, 2) == [1, 2]
-    assert expand_versions({"weight_version": "default"}, 3) == [0, 0, 0]  # real SGLang's initial label
-    assert expand_versions({"weight_versions": []}, 0) == []
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]  # SGLang 0.5.23
+    assert expand_versions({"weight_versions": spans}, 5) == [3, 3, 4, 4, 4]
+    assert expand_versions({"weight_version": "default"}, 3) == [0, 0, 0]  # SGLang 0.5.15: no spans
+    assert expand_versions({"weight_versions": [{"version": "default", "start": 0, "end": 0}]}, 0) == []
     with pytest.raises(EngineError, match="cover"):
-        expand_versions({"weight_versions": [[0, 2, "3"]]}, 3)
+        expand_versions({"weight_versions": spans[:1]}, 3)
+    with pytest.raises(EngineError, match="Malformed"):
+        expand_versions({"weight_versions": [[0, 2, "3"]]}, 2)
     with pytest.raises(EngineError, match="not an integer"):
         parse_version("v1.2")
 
@@ -31,7 +33,7 @@ def test_version_spans_expand_to_one_version_per_token():
 def test_parse_generate_response():
     data = {"text": "ab", "output_ids": [7, 8], "meta_info": {
         "id": "r", "finish_reason": {"type": "abort", "message": "x"}, "prompt_tokens": 3,
-        "output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]], "weight_versions": [[0, 1, "1"], [1, 2, "2"]]}}
+        "output_token_logprobs": [[-0.5, 7, None], [-1.5, 8, None]], "weight_versions": [{"version": "1", "start": 0, "end": 1}, {"version": "2", "start": 1, "end": 2}]}}
     res = parse_generate_response("r", data)
     assert (res.output_ids, res.output_log_probs, res.weight_versions, res.finish_reason, res.prompt_tokens) == (
         [7, 8], [-0.5, -1.5], [1, 2], "abort", 3)
@@ -180,7 +182,7 @@ def test_bad_request_through_router_then_healthy(pool):
         with pytest.raises(EngineError, match="400"):
             await client.generate(GenerateRequest("bad", [], SamplingParams(max_new_tokens=4)))
         with pytest.raises(EngineError, match="max_new_tokens"):
-            await client.generate(GenerateRequest("bad2", [5], SamplingParams(max_new_tokens=0)))
+            await client.generate(GenerateRequest("bad2", [5], SamplingParams(max_new_tokens=-1)))
         assert await client.health()
         res = await client.generate(greedy("fine", [5, 6], 3))
         assert len(res.output_ids) == 3

@@ -35,11 +35,11 @@ def ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def hf_logprobs(model, prompt: list[int], output: list[int]) -> list[float]:
-    """Trainer-side recomputation: one plain HF forward over prompt+response, log_softmax at T=1."""
+def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float = 1.0) -> list[float]:
+    """Trainer-side recomputation: one plain HF forward over prompt+response, log_softmax of logits / T."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output])).logits[0].float()
-    lp = torch.log_softmax(logits, dim=-1)
+    lp = torch.log_softmax(logits / temperature, dim=-1)
     return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)]
 
 
@@ -100,8 +100,24 @@ def test_logprobs_equal_hf_forward(policy, engine, temperature, top_p, top_k):
     for req, done in reqs:
         assert done.wait(60)
         assert len(req.output_ids) == 24
-        ref = hf_logprobs(model, req.input_ids, req.output_ids)
+        # SGLang 0.5.23's sampler: the temperature-scaled distribution before top-p/top-k (greedy: T=1).
+        ref = hf_logprobs(model, req.input_ids, req.output_ids, temperature if temperature > 0 else 1.0)
         assert max(abs(a - b) for a, b in zip(ref, req.output_logprobs)) <= 1e-4
+
+
+def test_original_logprobs_are_raw_at_any_temperature(policy):
+    # SGLANG_RETURN_ORIGINAL_LOGPROB: log-probs of the raw logits, whatever the temperature.
+    model, tok = policy
+    eng = Engine(model, max_running_requests=4, return_original_logprob=True)
+    try:
+        prompt = ids(tok, "The quick brown fox")
+        req = eng.generate(prompt, max_new_tokens=16, temperature=0.7, top_p=0.9, ignore_eos=True)
+        ref = hf_logprobs(model, prompt, req.output_ids)
+        assert max(abs(a - b) for a, b in zip(ref, req.output_logprobs)) <= 1e-4
+        scaled = hf_logprobs(model, prompt, req.output_ids, 0.7)
+        assert max(abs(a - b) for a, b in zip(scaled, req.output_logprobs)) > 1e-2
+    finally:
+        eng.stop()
 
 
 def test_greedy_matches_hf_generate(policy, engine):
@@ -174,8 +190,14 @@ def test_stop_tokens_eos_and_context_cap(policy):
         k = greedy.index(stop_at)
         assert out.output_ids == greedy[: k + 1]
         assert out.finish_reason == {"type": "stop", "matched": stop_at}
+        # Prompt + max_new_tokens over the context: SGLang's refusal, not a silent cap ...
+        with pytest.raises(ValueError, match="exceeds the model's maximum context length of 32 tokens"):
+            eng.generate(list(range(4, 34)), max_new_tokens=10, ignore_eos=True)
+        # ... unless the server allows auto-truncation (SGLang's --allow-auto-truncate).
+        eng.allow_auto_truncate = True
         capped = eng.generate(list(range(4, 34)), max_new_tokens=10, ignore_eos=True)
         assert len(capped.output_ids) == 2 and capped.finish_reason["type"] == "length"
+        eng.allow_auto_truncate = False
         # An EOS ends a request unless ignore_eos.
         eng.eos_token_ids = {greedy[0]}
         assert eng.generate(prompt, max_new_tokens=10, temperature=0.0).output_ids == [greedy[0]]
@@ -186,7 +208,7 @@ def test_stop_tokens_eos_and_context_cap(policy):
 @pytest.mark.parametrize(
     "kwargs,match",
     [({"input_ids": []}, "empty"), ({"input_ids": list(range(5, 600))}, "context length"),
-     ({"max_new_tokens": 0}, "max_new_tokens"), ({"input_ids": [10**6]}, "vocabulary"), ({"top_k": 0}, "top_k"),
+     ({"max_new_tokens": -1}, "max_new_tokens"), ({"input_ids": [10**6]}, "vocabulary"), ({"top_k": 0}, "top_k"),
      ({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature")],
 )
 def test_invalid_requests_are_refused(engine, kwargs, match):
@@ -251,12 +273,12 @@ def test_weight_update_changes_greedy_output_and_version(policy, engine):
     model, tok = policy
     prompt = ids(tok, "weights")
     before = engine.generate(prompt, max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    assert set(before.output_versions) == {"0"}
+    assert set(before.output_versions) == {"default"}  # SGLang's initial label
     update = negated_head(model)
     engine.update_weights(update, weight_version="1")
     after = engine.generate(prompt, max_new_tokens=16, temperature=0.0, ignore_eos=True)
     assert after.output_ids != before.output_ids
-    assert set(after.output_versions) == {"1"} and after.version_spans() == [[0, 16, "1"]]
+    assert set(after.output_versions) == {"1"} and after.version_spans() == [{"version": "1", "start": 0, "end": 16}]
     new_model = copy.deepcopy(model)
     new_model.load_state_dict(update, strict=False)
     ref = hf_logprobs(new_model, prompt, after.output_ids)
@@ -278,7 +300,7 @@ def test_in_flight_update_splits_versions(policy, engine):
     engine.update_weights(negated_head(model), weight_version="1")
     engine.resume()
     assert done.wait(60)
-    assert req.version_spans() == [[0, k, "0"], [k, 300, "1"]]
+    assert req.version_spans() == [{"version": "default", "start": 0, "end": k}, {"version": "1", "start": k, "end": 300}]
 
 
 # ----------------------------------------------------------------------------- resume

@@ -38,12 +38,13 @@ def test_inverse_cdf_sampling_matches_the_distribution():
         # n samples per row: a total-variation gap above 0.05 would be far outside sampling noise.
         tv = 0.5 * (counts / counts.sum(1, keepdim=True) - expected).abs().sum(1)
         assert tv.max() < 0.05, tv
-    # Log-probs are of the raw distribution on both the plain and the tempered path.
-    raw = torch.log_softmax(logits, -1)
+    # Log-probs are of the distribution sampled from (SGLang 0.5.23: logits / T, before filters) on
+    # the plain and the tempered path, and of the raw logits with original=True.
     for temperature in (1.0, 0.5):
-        toks, lps = sample(logits, [temperature] * 4, [1.0] * 4, [-1] * 4, [None] * 4, g)
-        ref = raw.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1)
-        assert torch.allclose(torch.tensor(lps), ref, atol=1e-6)
+        for original in (False, True):
+            toks, lps = sample(logits, [temperature] * 4, [0.9] * 4, [-1] * 4, [None] * 4, g, original=original)
+            ref = torch.log_softmax(logits / (1.0 if original else temperature), -1)
+            assert torch.allclose(torch.tensor(lps), ref.gather(1, torch.tensor(toks).unsqueeze(1)).squeeze(1), atol=1e-6)
 
 
 def test_filtered_rows_never_sample_dropped_tokens_and_greedy_rows_mix():

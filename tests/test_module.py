@@ -34,6 +34,10 @@ def test_collate_aligns_response_tokens_with_their_predicting_positions():
     expected = [torch.log_softmax(logits[p], -1)[tok].item() for p, tok in [(2, 20), (3, 21), (4, 2)]]
     assert torch.allclose(log_probs[0, 2:5], torch.tensor(expected), atol=1e-5)
     assert not entropy.requires_grad and torch.all(entropy >= 0)
+    # At the rollout temperature T the log-probs are of logits / T, as the engines report them.
+    hot, _ = token_log_probs(module.policy, batch, temperature=0.5)
+    expected = [torch.log_softmax(logits[p] / 0.5, -1)[tok].item() for p, tok in [(2, 20), (3, 21), (4, 2)]]
+    assert torch.allclose(hot[0, 2:5], torch.tensor(expected), atol=1e-5)
 
 
 def test_training_step_gives_a_finite_loss_and_the_train_metrics():
@@ -60,6 +64,10 @@ def test_the_module_refuses_a_plugin_config_it_was_not_built_with():
     module = RLPolicyModule("tiny")  # built with the default algorithm: M2PO off
     with pytest.raises(ConfigError, match="`algorithm` in the plugin config"):
         module.check_fasync_config(cfg)
+    cfg = load_config({"rollout": {"temperature": 0.7}})
+    with pytest.raises(ConfigError, match="`rollout.temperature` in the plugin config is 0.7"):
+        module.check_fasync_config(cfg)
+    RLPolicyModule("tiny", **RLPolicyModule.algorithm_args(cfg)).check_fasync_config(cfg)
     RLPolicyModule("tiny", **RLPolicyModule.algorithm_args(cfg)).check_fasync_config(cfg)
     masked = load_config({"rollout": {"partial": True, "mask_offpolicy_in_partial_rollout": True}})
     with pytest.raises(ConfigError, match="`rollout.mask_offpolicy_in_partial_rollout`"):

@@ -60,20 +60,51 @@ BAD_GENERATE = [
     ({"input_ids": [5, 6], "frobnicate": 1}, "Unknown field(s) for /generate: frobnicate"),
     ({"input_ids": "abc"}, "`input_ids` must be a list"),
     ({"input_ids": [5, "6"]}, "integers only"),
-    ({"input_ids": [[5, 6], [7]]}, "Batched"),
+    ({"input_ids": [[5, 6], []]}, "Prompt 1 is empty"),
+    ({"input_ids": [[5, 6], [7]], "sampling_params": [{}]}, "one object per prompt (2)"),
+    ({"input_ids": [[5, 6], [7]], "rid": ["a"]}, "`rid` has 1 entries"),
+    ({"input_ids": [[5], [7]], "sampling_params": [{"n": 1}, {"n": 2}]}, "must be the same for every prompt"),
     ({"input_ids": []}, "empty"),
     ({"text": ""}, "empty"),
     ({}, "Either `text` or `input_ids`"),
     ({"text": "a", "input_ids": [5]}, "not both"),
-    ({"input_ids": list(range(5, 90)) * 8}, "context length"),
-    ({"input_ids": [5], "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens` must be > 0"),
-    ({"input_ids": [5], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens` must be > 0"),
+    ({"input_ids": list(range(5, 90)) * 8}, "is longer than the model's context length"),
+    ({"input_ids": [5] * 200, "sampling_params": {"max_new_tokens": 400}},
+     "Requested token count exceeds the model's maximum context length"),
+    ({"input_ids": [5], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens` must be at least 0"),
     ({"input_ids": [5], "sampling_params": {"max_new_tokens": "8"}}, "must be an integer"),
-    ({"input_ids": [5], "sampling_params": {"temperature": "hot"}}, "`temperature` must be a number"),
-    ({"input_ids": [5], "sampling_params": {"ignore_eos": 1}}, "`ignore_eos` must be a boolean"),
+    ({"input_ids": [5], "sampling_params": {"temperature": "hot"}}, "`sampling_params.temperature` must be a number"),
+    ({"input_ids": [5], "sampling_params": {"ignore_eos": 1}}, "`sampling_params.ignore_eos` must be a boolean"),
     ({"input_ids": [5], "sampling_params": {"warp": 9}}, "Unknown field(s) for sampling_params: warp"),
-    ({"input_ids": [5], "sampling_params": {"stop": ["x"]}}, "stop strings"),
-    ({"input_ids": [5], "stream": True}, "stream"),
+    ({"input_ids": [5], "sampling_params": {"stop": [1]}}, "`sampling_params.stop` must be a string or a list"),
+    ({"input_ids": [5], "sampling_params": {"stop_regex": "(("}}, "not a valid regular expression"),
+    ({"input_ids": [5], "sampling_params": {"n": 0}}, "`sampling_params.n` must be at least 1"),
+    ({"input_ids": [5], "sampling_params": {"min_p": 2.0}}, "min_p` must be in [0, 1]"),
+    ({"input_ids": [5], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 2}}, "min_new_tokens` must be in"),
+    ({"input_ids": [5], "sampling_params": {"regex": "a+"}}, "`sampling_params.regex`='a+' is not supported"),
+    ({"input_ids": [5], "sampling_params": {"json_schema": "{}"}}, "`sampling_params.json_schema`"),
+    ({"input_ids": [5], "sampling_params": {"frequency_penalty": 0.5}}, "`sampling_params.frequency_penalty`=0.5"),
+    ({"input_ids": [5], "sampling_params": {"logit_bias": {"5": 1.0}}}, "`sampling_params.logit_bias`"),
+    ({"input_ids": [5], "lora_path": "adapter"}, "`lora_path`='adapter' is not supported"),
+    ({"input_ids": [5], "return_hidden_states": True}, "`return_hidden_states`=True is not supported"),
+    ({"input_ids": [5], "routed_dp_rank": 1}, "`routed_dp_rank`=1 does not exist"),
+    ({"input_ids": [5], "stream": "yes"}, "`stream` must be a boolean"),
+    ({"input_ids": [5], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len=3 is higher"),
+    ({"input_ids": [5], "return_logprob": True, "token_ids_logprob": [10**6]}, "token_ids_logprob holds"),
+    ({"input_ids": [5], "return_logprob": True, "top_logprobs_num": "3"}, "`top_logprobs_num` must be an integer"),
+    ({"input_ids": [5], "return_logprob": True, "top_logprobs_num": -1}, "`top_logprobs_num` must be >= 0"),
+    ({"input_ids": [5], "return_logprob": True, "logprob_start_len": 0.5}, "`logprob_start_len` must be an integer"),
+    ({"input_ids": [5], "return_text_in_logprobs": "y"}, "`return_text_in_logprobs` must be a boolean"),
+    ({"input_ids": [5], "return_prompt_token_ids": 1}, "`return_prompt_token_ids` must be a boolean"),
+    ({"input_ids": [5], "token_ids_logprob": ["a"]}, "`token_ids_logprob` must contain integers"),
+    ({"input_ids": [5], "sampling_params": {"n": "2"}}, "`sampling_params.n` must be an integer"),
+    ({"input_ids": [5], "sampling_params": {"stream_interval": 0}}, "`sampling_params.stream_interval` must be at least 1"),
+    ({"input_ids": [5], "sampling_params": {"stop_token_ids": ["x"]}}, "`sampling_params.stop_token_ids` must contain"),
+    ({"input_ids": [5], "sampling_params": {"min_p": "low"}}, "`sampling_params.min_p` must be a number"),
+    ({"input_ids": [5], "sampling_params": {"no_stop_trim": "no"}}, "`sampling_params.no_stop_trim` must be a boolean"),
+    ({"input_ids": [5], "sampling_params": {"top_k": 0}}, "`sampling_params.top_k` must be -1 (disable) or at least 1"),
+    ({"input_ids": [5], "sampling_params": {"beam_width": 4}}, "`sampling_params.beam_width`=4 is not supported"),
+    ({"text": ["a", 5]}, "`text` must be a string or a list of strings"),
     ({"input_ids": [5], "rid": 12}, "`rid` must be a string"),
     ({"input_ids": [5], "return_logprob": "yes"}, "`return_logprob` must be a boolean"),
 ]
@@ -94,7 +125,8 @@ def test_generate_fields_and_shapes(policy):
         assert len(out["output_ids"]) == 6 and out["text"] == tok.decode(out["output_ids"], skip_special_tokens=True)
         assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
         assert all(isinstance(e[0], float) and e[0] <= 0 and isinstance(e[2], str) for e in meta["output_token_logprobs"])
-        assert meta["weight_version"] == "0" and meta["weight_versions"] == [[0, 6, "0"]]
+        assert meta["weight_version"] == "default"
+        assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 6}]
         # Without return_logprob there are no log-probs; a rid is made up when missing.
         status, out = await call(s, "POST", url + "/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
         assert status == 200 and "output_token_logprobs" not in out["meta_info"] and out["meta_info"]["id"]
@@ -119,7 +151,6 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(policy):
             ("/update_weights_from_disk", {}, "model_path"),
             ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "does not exist"),
             ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "safetensors_path"),
-            ("/update_weights_from_tensor", {"safetensors_path": "/nonexistent"}, "not a file"),
             ("/update_weight_version", {"new_version": 3}, "must be a string"),
         ]:
             status, out = await call(s, "POST", url + path, payload)
@@ -141,7 +172,7 @@ def test_info_health_load_and_version_endpoints(policy, tmp_path):
         for method in ("GET", "POST"):
             assert (await call(s, method, url + "/flush_cache"))[0] == 200
         status, info = await call(s, "GET", url + "/model_info")
-        assert status == 200 and info["weight_version"] == "0" and info["is_generation"] is True
+        assert status == 200 and info["weight_version"] == "default" and info["is_generation"] is True
         assert (await call(s, "GET", url + "/get_model_info"))[1] == info
         status, sinfo = await call(s, "GET", url + "/server_info")
         assert sinfo["dp_size"] == 1 and sinfo["max_running_requests"] == 8
@@ -154,8 +185,18 @@ def test_info_health_load_and_version_endpoints(policy, tmp_path):
 
         path = str(tmp_path / "w.safetensors")
         save_file({"lm_head.weight": model.lm_head.weight.detach().clone()}, path)
-        status, out = await call(s, "POST", url + "/update_weights_from_tensor", {"safetensors_path": path, "weight_version": "6"})
+        update = {"safetensors_path": path, "weight_version": "6"}
+        # SGLang 0.5.23: a tensor update outside begin/end_weight_update fails.
+        status, out = await call(s, "POST", url + "/update_weights_from_tensor", update)
+        assert status == 400 and out["success"] is False and "begin_weight_update" in out["message"]
+        assert (await call(s, "POST", url + "/end_weight_update", {}))[1]["success"] is False  # none open
+        assert (await call(s, "POST", url + "/begin_weight_update", {}))[1] == {"success": True, "message": "Success"}
+        assert (await call(s, "POST", url + "/begin_weight_update", {}))[1]["success"] is False  # already open
+        status, out = await call(s, "POST", url + "/update_weights_from_tensor", {"safetensors_path": "/nonexistent"})
+        assert status == 400 and "not a file" in out["error"]["message"]
+        status, out = await call(s, "POST", url + "/update_weights_from_tensor", update)
         assert status == 200 and out["success"], out
+        assert (await call(s, "POST", url + "/end_weight_update", {}))[1]["success"] is True
         status, out = await call(s, "POST", url + "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}})
         assert out["meta_info"]["weight_version"] == "6"
         status, out = await call(s, "POST", url + "/pause_generation", {"mode": "in_place"})

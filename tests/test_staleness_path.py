@@ -117,6 +117,7 @@ def test_the_loss_is_decoupled_ppo_with_a_truncated_behaviour_weight():
 
 def test_engine_log_probs_match_the_trainer_at_each_tokens_version_across_a_resume():
     from lightning_fasync.policy import build_policy
+    from lightning_fasync.rollout.client import parse_version
     from lightning_fasync.rollout.engine import Engine
 
     torch.manual_seed(0)
@@ -133,7 +134,7 @@ def test_engine_log_probs_match_the_trainer_at_each_tokens_version_across_a_resu
         for j in range(3):  # version 0: 5 tokens, then aborted at the step boundary
             t = continuation(sample, j, 0)
             r = engine.generate(resume_request(t, sp, 12, "a").input_ids, max_new_tokens=5, ignore_eos=True)
-            apply_result(t, GenerateResult("a", r.output_ids, r.output_logprobs, [int(v) for v in r.output_versions], "abort"), 12)
+            apply_result(t, GenerateResult("a", r.output_ids, r.output_logprobs, [parse_version(v) for v in r.output_versions], "abort"), 12)
             first.append(t)
         engine.update_weights(pol1.state_dict(), weight_version="1")
         resumed = PromptSample(sample.prompt_id, sample.input_ids, resume=first)
@@ -142,7 +143,7 @@ def test_engine_log_probs_match_the_trainer_at_each_tokens_version_across_a_resu
             t = continuation(resumed, j, 1)
             req = resume_request(t, sp, 12, "b")
             r = engine.generate(req.input_ids, max_new_tokens=req.sampling_params.max_new_tokens, ignore_eos=True)
-            apply_result(t, GenerateResult("b", r.output_ids, r.output_logprobs, [int(v) for v in r.output_versions], "length"), 12)
+            apply_result(t, GenerateResult("b", r.output_ids, r.output_logprobs, [parse_version(v) for v in r.output_versions], "length"), 12)
             t.reward = 0.0
             done.append(t)
     finally:

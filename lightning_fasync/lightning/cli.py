@@ -40,6 +40,7 @@ class FasyncCLI(LightningCLI):
         parser.link_arguments("algorithm", "model.algorithm")
         parser.link_arguments("trainer.use_rollout_log_probs", "model.use_rollout_log_probs")
         parser.link_arguments("rollout.mask_offpolicy_in_partial_rollout", "model.mask_offpolicy_in_partial_rollout")
+        parser.link_arguments("rollout.temperature", "model.rollout_temperature")
 
     def before_instantiate_classes(self) -> None:
         ns = self.config[self.subcommand] if self.subcommand else self.config

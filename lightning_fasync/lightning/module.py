@@ -30,14 +30,21 @@ from lightning_fasync.lightning.hooks import FullyAsyncHooks
 from lightning_fasync.types import TrajectoryGroup
 
 
-def token_log_probs(model: torch.nn.Module, batch: PolicyBatch, with_entropy: bool = False, entropy_grad: bool = False):
+def token_log_probs(model: torch.nn.Module, batch: PolicyBatch, with_entropy: bool = False, entropy_grad: bool = False,
+                    temperature: float = 1.0):
     """Log-probs of each next token (``[B, L-1]``), and optionally the per-token entropy.
+
+    ``temperature`` is the rollout's sampling temperature: the logits are divided by it, so the
+    log-probs are of the distribution the engine sampled from (as SGLang reports them, and as verl's
+    and slime's actors compute them).
 
     The entropy keeps its graph only with ``entropy_grad`` (an entropy bonus in the loss); for the
     ``train/entropy`` metric alone it is computed without one, which saves a ``[B, L, vocab]``
     activation.
     """
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
     log_probs_all = torch.log_softmax(logits, dim=-1)
     target = batch.input_ids[:, 1:].unsqueeze(-1)
     log_probs = log_probs_all.gather(-1, target).squeeze(-1)
@@ -100,6 +107,8 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             the spec's defaults). ``lightning-fasync fit`` links the top-level keys here.
         use_rollout_log_probs: ``trainer.use_rollout_log_probs``.
         mask_offpolicy_in_partial_rollout: ``rollout.mask_offpolicy_in_partial_rollout``.
+        rollout_temperature: ``rollout.temperature``: the policy's log-probs are taken at the
+            temperature the engines sampled at, as the engines report them.
 
     :meth:`algorithm_args` gives the last three from a plugin config; the drivers refuse a config
     that disagrees with them (:meth:`check_fasync_config`).
@@ -118,6 +127,7 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         algorithm: Optional[AlgorithmConfig] = None,
         use_rollout_log_probs: bool = False,
         mask_offpolicy_in_partial_rollout: bool = False,
+        rollout_temperature: float = 1.0,
     ) -> None:
         super().__init__()
         if lr_schedule not in LR_SCHEDULES:
@@ -133,6 +143,9 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
         self.use_rollout_log_probs = use_rollout_log_probs
         self.mask_offpolicy_in_partial_rollout = mask_offpolicy_in_partial_rollout
+        if not rollout_temperature > 0:
+            raise ConfigError(f"`rollout.temperature` is {rollout_temperature}; training needs a sampled rollout (> 0).")
+        self.rollout_temperature = rollout_temperature
         self.model_name_or_path = model
         self.policy, self.tokenizer = build_policy(model)
         self.policy.train()
@@ -146,6 +159,7 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             "algorithm": cfg.algorithm,
             "use_rollout_log_probs": cfg.trainer.use_rollout_log_probs,
             "mask_offpolicy_in_partial_rollout": cfg.rollout.mask_offpolicy_in_partial_rollout,
+            "rollout_temperature": cfg.rollout.temperature,
         }
 
     # ------------------------------------------------------------------ FullyAsyncHooks
@@ -180,9 +194,8 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         for key, value in self.algorithm_args(cfg).items():
             mine = getattr(self, key)
             if mine != value:
-                name = {"algorithm": "algorithm", "use_rollout_log_probs": "trainer.use_rollout_log_probs"}.get(
-                    key, "rollout.mask_offpolicy_in_partial_rollout"
-                )
+                name = {"algorithm": "algorithm", "use_rollout_log_probs": "trainer.use_rollout_log_probs",
+                        "rollout_temperature": "rollout.temperature"}.get(key, "rollout.mask_offpolicy_in_partial_rollout")
                 raise ConfigError(
                     f"`{name}` in the plugin config is {value!r}, but RLPolicyModule was built with {mine!r}; build it "
                     "with RLPolicyModule(..., **RLPolicyModule.algorithm_args(cfg)) so the loss uses the config's settings."
@@ -228,8 +241,9 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             old_log_probs = data.rollout_log_probs
         else:
             with torch.no_grad(), self.snapshot.use_old_weights():
-                old_log_probs, _ = token_log_probs(self.policy, data)
-        log_probs, entropy = token_log_probs(self.policy, data, with_entropy=True, entropy_grad=algo.entropy_coef != 0.0)
+                old_log_probs, _ = token_log_probs(self.policy, data, temperature=self.rollout_temperature)
+        log_probs, entropy = token_log_probs(self.policy, data, with_entropy=True, entropy_grad=algo.entropy_coef != 0.0,
+                                             temperature=self.rollout_temperature)
         loss, metrics = compute_policy_loss(
             log_probs,
             old_log_probs,

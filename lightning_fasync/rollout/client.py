@@ -34,29 +34,37 @@ def parse_version(label: Any) -> int:
         raise EngineError(f"Weight version label {label!r} is not an integer; set integer versions on weight updates.") from None
 
 
+def _span(entry: Any) -> tuple[int, int, Any]:
+    """``(start, end, label)`` of one span: SGLang 0.5.23's ``{"version", "start", "end"}``."""
+    if isinstance(entry, Mapping):
+        try:
+            return int(entry["start"]), int(entry["end"]), entry["version"]
+        except (KeyError, TypeError, ValueError):
+            raise EngineError(f"Malformed weight-version span {entry!r}.") from None
+    raise EngineError(f"Malformed weight-version span {entry!r} (expected an object with version, start, end).")
+
+
 def expand_versions(meta_info: Mapping[str, Any], num_tokens: int) -> list[int]:
     """One version per output token from ``meta_info``.
 
-    Accepts spans ``[[start, end, version], ...]`` (end exclusive, as the embedded engine sends), a
-    per-token list, or, from a server that reports none, the single ``weight_version`` repeated.
+    Reads SGLang 0.5.23's ``weight_versions`` spans ``[{"version", "start", "end"}, ...]`` (end
+    exclusive); from a server that reports no spans (SGLang 0.5.15), the single ``weight_version``
+    for every token.
     """
     spans = meta_info.get("weight_versions")
     if spans is None:
         return [parse_version(meta_info.get("weight_version"))] * num_tokens
-    if spans and not isinstance(spans[0], (list, tuple)):
-        versions = [parse_version(v) for v in spans]
-    else:
-        versions = [0] * num_tokens
-        covered = 0
-        for start, end, label in spans:
-            if not 0 <= start <= end <= num_tokens:
-                raise EngineError(f"Weight-version span [{start}, {end}) is outside the {num_tokens} output tokens.")
-            versions[start:end] = [parse_version(label)] * (end - start)
-            covered += end - start
-        if covered != num_tokens:
-            raise EngineError(f"Weight-version spans cover {covered} of {num_tokens} output tokens.")
-    if len(versions) != num_tokens:
-        raise EngineError(f"Got {len(versions)} weight versions for {num_tokens} output tokens.")
+    if num_tokens == 0:
+        return []
+    versions = [0] * num_tokens
+    covered = 0
+    for start, end, label in map(_span, spans):
+        if not 0 <= start <= end <= num_tokens:
+            raise EngineError(f"Weight-version span [{start}, {end}) is outside the {num_tokens} output tokens.")
+        versions[start:end] = [parse_version(label)] * (end - start)
+        covered += end - start
+    if covered != num_tokens:
+        raise EngineError(f"Weight-version spans cover {covered} of {num_tokens} output tokens.")
     return versions
 
 
@@ -119,6 +127,7 @@ class SGLangClient(EngineClient):
         self.generate_timeout_s = generate_timeout_s
         self.admin_timeout_s = admin_timeout_s
         self._session: Optional[aiohttp.ClientSession] = None
+        self._has_update_bracket: Optional[bool] = None  # probed once: SGLang >= 0.5.23 has it
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -127,8 +136,12 @@ class SGLangClient(EngineClient):
             )
         return self._session
 
-    async def _request(self, method: str, url: str, body: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
-        """One call with retries on connection errors; returns the parsed JSON (or text)."""
+    async def _request(self, method: str, url: str, body: Optional[dict] = None, timeout: Optional[float] = None,
+                       missing_ok: bool = False) -> Any:
+        """One call with retries on connection errors; returns the parsed JSON (or text).
+
+        ``missing_ok``: a 404 (an endpoint this server version lacks) returns None instead of raising.
+        """
         session = await self._http()
         client_timeout = aiohttp.ClientTimeout(total=timeout or self.admin_timeout_s, sock_connect=10)
         last: Optional[BaseException] = None
@@ -141,6 +154,8 @@ class SGLangClient(EngineClient):
                     if resp.status in RETRYABLE_STATUS:
                         last = EngineError(f"{method} {url} answered {resp.status}: {text[:500]}")
                         continue
+                    if resp.status == 404 and missing_ok:
+                        return None
                     if resp.status != 200:
                         raise EngineError(f"{method} {url} answered {resp.status}: {text[:500]}")
                     if resp.content_type == "application/json":
@@ -150,8 +165,23 @@ class SGLangClient(EngineClient):
                 last = exc
         raise EngineError(f"{method} {url} failed after {self.retries + 1} attempts: {last!r}") from last
 
-    async def _all_workers(self, method: str, path: str, body: Optional[dict] = None) -> list[Any]:
-        return list(await asyncio.gather(*(self._request(method, u + path, body) for u in self.worker_urls)))
+    async def _all_workers(self, method: str, path: str, body: Optional[dict] = None, missing_ok: bool = False) -> list[Any]:
+        return list(await asyncio.gather(*(self._request(method, u + path, body, missing_ok=missing_ok)
+                                           for u in self.worker_urls)))
+
+    async def begin_weight_update(self) -> bool:
+        """Open SGLang 0.5.23's weight-update bracket on every worker; False where servers lack it (0.5.15)."""
+        results = await self._all_workers("POST", "/begin_weight_update", {}, missing_ok=self._has_update_bracket is None)
+        if self._has_update_bracket is None:
+            self._has_update_bracket = all(r is not None for r in results)
+        if self._has_update_bracket:
+            self._check_success(results, "begin_weight_update")
+        return self._has_update_bracket
+
+    async def end_weight_update(self) -> None:
+        """Close the bracket ``begin_weight_update`` opened."""
+        if self._has_update_bracket:
+            self._check_success(await self._all_workers("POST", "/end_weight_update", {}), "end_weight_update")
 
     # -------------------------------------------------------------- EngineClient
 
@@ -209,16 +239,23 @@ class SGLangClient(EngineClient):
         tensors = {k: v.detach().contiguous().cpu() for k, v in named_tensors.items()}
         await asyncio.get_running_loop().run_in_executor(None, save_file, tensors, path)
         try:
-            body: dict[str, Any] = {"safetensors_path": path, "flush_cache": True}
+            body: dict[str, Any] = {"safetensors_path": path, "flush_cache": True, "abort_all_requests": False}
             if weight_version is not None:
                 body["weight_version"] = str(weight_version)
-            self._check_success(await self._all_workers("POST", "/update_weights_from_tensor", body))
+            bracket = await self.begin_weight_update()
+            try:
+                self._check_success(await self._all_workers("POST", "/update_weights_from_tensor", body))
+            finally:
+                if bracket:
+                    await self.end_weight_update()
         finally:
             os.unlink(path)
 
     async def update_weight_version(self, weight_version: int) -> None:
         """Relabel the current weights on every worker."""
-        await self._all_workers("POST", "/update_weight_version", {"new_version": str(weight_version)})
+        # SGLang aborts every request first unless told otherwise; a relabel must not.
+        await self._all_workers("POST", "/update_weight_version",
+                                {"new_version": str(weight_version), "abort_all_requests": False})
 
     async def flush_cache(self) -> None:
         await self._all_workers("POST", "/flush_cache")
@@ -240,7 +277,7 @@ class SGLangClient(EngineClient):
         return await self._all_workers("GET", "/v1/loads")
 
     @staticmethod
-    def _check_success(results: list[Any]) -> None:
+    def _check_success(results: list[Any], what: str = "Weight update") -> None:
         for r in results:
             if isinstance(r, dict) and r.get("success") is False:
-                raise EngineError(f"Weight update failed: {r.get('message')}")
+                raise EngineError(f"{what} failed: {r.get('message')}")

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from lightning_fasync.rollout.model_runner import ModelRunner
-from lightning_fasync.rollout.sampling import sample
+from lightning_fasync.rollout.sampling import reported_logprobs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +60,28 @@ class EngineRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sampling_seed: Optional[int] = None
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    # Input-token log-probs from this prompt position on (-1: none), as SGLang's logprob_start_len.
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None
     on_finish: Optional[Callable[["EngineRequest"], None]] = None
+    # Called on the engine thread after each output token (streaming), and a text-level stop check
+    # (stop strings) returning the matched string or None; both optional.
+    on_token: Optional[Callable[["EngineRequest"], None]] = None
+    stop_check: Optional[Callable[["EngineRequest"], Optional[str]]] = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)
+    # Filled only when asked: per output token [(logprob, token_id), ...] of the top tokens / of
+    # ``token_ids_logprob``; per input position the same, and the input tokens' own log-probs.
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: Optional[list[Optional[float]]] = None
+    input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
+    input_token_ids_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
+    retractions: int = 0
     finish_reason: Optional[dict[str, Any]] = None
     error: Optional[BaseException] = None
     slot: Optional[int] = None
@@ -73,18 +91,30 @@ class EngineRequest:
     _stop_ids: frozenset = frozenset()  # set at admission: stop tokens, plus EOS unless ignore_eos
     _max_output: int = 0  # set at admission: min(max_new_tokens, context_length - prompt length)
 
-    def version_spans(self) -> list[list[Any]]:
-        """Runs of equal versions over the output tokens: ``[[start, end, version], ...]``, end exclusive."""
-        versions = self.output_versions
-        if versions and versions.count(versions[0]) == len(versions):  # one version: a C-speed check
-            return [[0, len(versions), versions[0]]]
-        spans: list[list[Any]] = []
+    def version_spans(self, current_version: Optional[str] = None, upto: Optional[int] = None) -> list[dict[str, Any]]:
+        """Runs of equal versions over the output tokens (the first ``upto``), in SGLang 0.5.23's shape.
+
+        ``[{"version", "start", "end"}, ...]`` with ``end`` exclusive. With no output token, one empty
+        span of ``current_version`` (SGLang reports the version in force).
+        """
+        versions = self.output_versions if upto is None else self.output_versions[:upto]
+        if not versions:
+            return [{"version": current_version, "start": 0, "end": 0}]
+        if versions.count(versions[0]) == len(versions):  # one version: a C-speed check
+            return [{"version": versions[0], "start": 0, "end": len(versions)}]
+        spans: list[dict[str, Any]] = []
         for i, version in enumerate(versions):
-            if spans and spans[-1][2] == version:
-                spans[-1][1] = i + 1
+            if spans and spans[-1]["version"] == version:
+                spans[-1]["end"] = i + 1
             else:
-                spans.append([i, i + 1, version])
+                spans.append({"version": version, "start": i, "end": i + 1})
         return spans
+
+    @property
+    def needs_extras(self) -> bool:
+        """True when a decode step must do more for this request than sample one token."""
+        return bool(self.top_logprobs_num or self.token_ids_logprob or self.on_token or self.stop_check
+                    or self.min_new_tokens)
 
 
 class Engine:
@@ -98,6 +128,12 @@ class Engine:
         weight_version: Version label of the initial weights.
         eos_token_ids: Tokens that end a request unless ``ignore_eos``; defaults to the model's.
         seed: Seed of the generator used by unseeded requests.
+        allow_auto_truncate: Cap ``max_new_tokens`` at what the context leaves instead of refusing
+            a request whose prompt plus ``max_new_tokens`` exceeds the context (SGLang's
+            ``--allow-auto-truncate``).
+        return_original_logprob: Report log-probs of the raw logits at temperature 1 instead of
+            SGLang's default (temperature-scaled; see ``rollout/sampling.py``), as SGLang does under
+            ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``.
     """
 
     def __init__(
@@ -106,9 +142,11 @@ class Engine:
         *,
         max_running_requests: Optional[int] = None,
         context_length: Optional[int] = None,
-        weight_version: str = "0",
+        weight_version: str = "default",
         eos_token_ids: Optional[list[int]] = None,
         seed: int = 0,
+        allow_auto_truncate: bool = False,
+        return_original_logprob: bool = False,
     ) -> None:
         self.max_running_requests = max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self.context_length = context_length or min(
@@ -119,6 +157,8 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.weight_version = str(weight_version)
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else _model_eos_ids(model))
+        self.allow_auto_truncate = allow_auto_truncate
+        self.return_original_logprob = return_original_logprob
         self._generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self._cond = threading.Condition()
         self._waiting: list[EngineRequest] = []  # guarded by _cond
@@ -128,6 +168,7 @@ class Engine:
         self._batch_params: Optional[tuple[list, list, list, list, list]] = None
         self._free_slots = list(range(self.max_running_requests))
         self._paused = False
+        self._pause_mode: Optional[str] = None
         self._stopping = False
         self.fatal_error: Optional[BaseException] = None
         self.steps = 0
@@ -149,22 +190,44 @@ class Engine:
         """Raise ``ValueError`` naming what is wrong with a request (the server's 400 message)."""
         if not req.input_ids:
             raise ValueError("The prompt is empty; give at least one input token.")
-        if len(req.input_ids) >= self.context_length:
+        n_in = len(req.input_ids)
+        # SGLang's checks and messages (tokenizer_manager._validate_one_request).
+        if n_in >= self.context_length:
             raise ValueError(
-                f"The prompt has {len(req.input_ids)} tokens; the context length is {self.context_length}, "
-                "so at most {} prompt tokens are accepted.".format(self.context_length - 1)
+                f"The input ({n_in} tokens) is longer than the model's context length ({self.context_length} tokens)."
             )
         bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"Token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}).")
-        if req.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {req.max_new_tokens}.")
-        if req.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {req.temperature}.")
+        if req.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {req.max_new_tokens}.")
+        if req.max_new_tokens + n_in > self.context_length and not self.allow_auto_truncate:
+            raise ValueError(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{self.context_length} tokens. You requested a total of {req.max_new_tokens + n_in} tokens: "
+                f"{n_in} tokens from the input messages and {req.max_new_tokens} tokens for the completion. "
+                "Please reduce the number of tokens in the input messages or the completion to fit within the limit."
+            )
+        if not (req.temperature >= 0 and req.temperature < float("inf")):
+            raise ValueError(f"temperature must be a non-negative finite number, got {req.temperature}.")
         if not 0 < req.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {req.top_p}.")
         if req.top_k == 0 or req.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {req.top_k}.")
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {req.top_k}.")
+        if not 0 <= req.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {req.min_p}.")
+        if not 0 <= req.min_new_tokens <= req.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({req.max_new_tokens})], got {req.min_new_tokens}.")
+        if req.logprob_start_len > n_in:
+            raise ValueError(
+                f"logprob_start_len={req.logprob_start_len} is higher than the number of input tokens {n_in}. "
+                "Please use a smaller logprob_start_len."
+            )
+        if req.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}.")
+        bad = [t for t in (req.token_ids_logprob or []) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids_logprob holds {bad[0]}, outside the vocabulary [0, {self.vocab_size}).")
 
     def submit(self, req: EngineRequest) -> None:
         """Queue a request; ``req.on_finish`` fires on completion. Raises ``ValueError`` if invalid."""
@@ -186,7 +249,7 @@ class Engine:
             raise req.error
         return req
 
-    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+    def abort(self, rid: str = "", abort_all: bool = False, abort_message: Optional[str] = None) -> int:
         """Abort requests whose rid starts with ``rid`` (SGLang semantics), or all of them.
 
         Aborted requests finish with what they generated so far and ``finish_reason.type == 'abort'``.
@@ -196,24 +259,55 @@ class Engine:
         """
         if not abort_all and not rid:
             raise ValueError("Give a request id (rid) or abort_all=true.")
-        return self._call(lambda: self._abort_matching(lambda r: abort_all or r.rid.startswith(rid), "Abort requested."))
+        # SGLang: an abort_message makes the aborted requests answer 503 with that message.
+        status = 503 if abort_message else None
+        return self._call(lambda: self._abort_matching(lambda r: abort_all or r.rid.startswith(rid),
+                                                       abort_message or "Aborted", status))
+
+    def cancel(self, reqs: list[EngineRequest], message: str = "Aborted") -> int:
+        """Abort exactly these requests (a client that went away); finished ones are left alone."""
+        targets = {id(r) for r in reqs}
+        return self._call(lambda: self._abort_matching(lambda r: id(r) in targets, message))
 
     def pause(self, mode: str = "abort") -> int:
-        """Stop generating. ``abort`` aborts every request; ``in_place`` keeps them (and their KV).
+        """Stop generating (SGLang ``/pause_generation``). New requests queue until ``resume``.
 
-        ``retract`` is accepted and behaves as ``in_place``. New requests queue until ``resume``.
+        ``abort`` aborts every request (they return what they generated); ``in_place`` keeps the
+        running requests and their KV cache as they are; ``retract`` sends the running requests back
+        to the front of the queue, freeing their cache: on ``resume`` they are prefilled again
+        (prompt plus the tokens so far) under the weights then in force, and go on generating.
 
         Returns:
-            The number of requests aborted (0 for ``in_place``).
+            The number of requests aborted (``abort``) or retracted (``retract``); 0 for ``in_place``.
         """
         if mode not in ("abort", "in_place", "retract"):
             raise ValueError(f"Unknown pause mode {mode!r}; use 'abort', 'in_place' or 'retract'.")
 
         def op() -> int:
-            self._paused = True
+            self._paused, self._pause_mode = True, mode
             if mode == "abort":
-                return self._abort_matching(lambda r: True, "Aborted by pause_generation.")
+                return self._abort_matching(lambda r: True, "Aborted")
+            if mode == "retract":
+                return self._retract_running()
             return 0
+
+        return self._call(op)
+
+    def flush_cache(self) -> tuple[bool, str]:
+        """SGLang ``/flush_cache``: refused while a request holds cache, as in SGLang.
+
+        The engine keeps no cache across requests (no prefix cache), so there is nothing else to drop.
+        """
+
+        def op() -> tuple[bool, str]:
+            with self._cond:
+                queued = 0 if self._paused else len(self._waiting)
+            if self._running or queued:
+                return False, (
+                    f"Cache not flushed: {len(self._running)} running and {queued} waiting request(s). "
+                    "(When there are running or waiting requests, the operation will not be performed.)\n"
+                )
+            return True, "Cache flushed.\n"
 
         return self._call(op)
 
@@ -221,7 +315,7 @@ class Engine:
         """Continue after ``pause`` (SGLang ``/continue_generation``)."""
 
         def op() -> None:
-            self._paused = False
+            self._paused, self._pause_mode = False, None
 
         self._call(op)
 
@@ -276,6 +370,7 @@ class Engine:
             "num_total_tokens": sum(len(r.input_ids) + len(r.output_ids) for r in running),
             "max_running_requests": self.max_running_requests,
             "paused": self._paused,
+            "pause_mode": self._pause_mode,
             "num_decode_steps": self.steps,
             "weight_version": self.weight_version,
         }
@@ -358,29 +453,81 @@ class Engine:
             new, self._waiting = self._waiting[:n], self._waiting[n:]
         if not new:
             return
+        admitted = []
         for req in new:
+            if req.logprob_start_len >= 0 and req.input_token_logprobs is None:
+                self._input_logprobs(req)
+            if req.retractions == 0:  # a retracted request keeps its generator, stops and cap
+                if req.sampling_seed is not None:
+                    req._generator = torch.Generator(device=self.runner.device).manual_seed(int(req.sampling_seed))
+                stops = set(req.stop_token_ids)
+                if not req.ignore_eos:
+                    stops |= self.eos_token_ids
+                req._stop_ids = frozenset(stops)
+                # Past this the next token would have no cache position left.
+                req._max_output = min(req.max_new_tokens, self.context_length - len(req.input_ids))
+            if req._max_output <= len(req.output_ids):  # max_new_tokens 0: a prefill-only request
+                self._finish(req, {"type": "length", "length": len(req.output_ids)})
+                continue
             req.slot = self._free_slots.pop(0)
-            if req.sampling_seed is not None:
-                req._generator = torch.Generator(device=self.runner.device).manual_seed(int(req.sampling_seed))
-            stops = set(req.stop_token_ids)
-            if not req.ignore_eos:
-                stops |= self.eos_token_ids
-            req._stop_ids = frozenset(stops)
-            # Past this the next token would have no cache position left.
-            req._max_output = min(req.max_new_tokens, self.context_length - len(req.input_ids))
-        logits = self.runner.prefill([r.slot for r in new], [r.input_ids for r in new])
-        self._running.extend(new)
+            admitted.append(req)
+        if not admitted:
+            return
+        # A retracted request is prefilled again with its tokens so far (SGLang's retract).
+        prompts = [r.input_ids + r.output_ids if r.output_ids else r.input_ids for r in admitted]
+        logits = self.runner.prefill([r.slot for r in admitted], prompts)
+        self._running.extend(admitted)
         self._running.sort(key=lambda r: r.slot)
         self._batch_params = None
-        self._append_tokens(new, logits, self._sampling_params(new))
+        self._append_tokens(admitted, logits, self._sampling_params(admitted))
 
-    def _sampling_params(self, batch: list[EngineRequest]) -> tuple[list, list, list, list, list]:
+    def _retract_running(self) -> int:
+        retracted = list(self._running)
+        for req in retracted:
+            self._free_slots.append(req.slot)
+            req.slot = None
+            req.retractions += 1
+        self._free_slots.sort()
+        self._running = []
+        self._batch_params = None
+        with self._cond:
+            self._waiting = retracted + self._waiting
+        return len(retracted)
+
+    @torch.inference_mode()
+    def _input_logprobs(self, req: EngineRequest) -> None:
+        """Log-probs of the prompt tokens from ``logprob_start_len`` on (one plain forward pass).
+
+        The first prompt token has no log-prob (None), as in SGLang.
+        """
+        if req.logprob_start_len >= len(req.input_ids):
+            req.input_token_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs = [], [], []
+            return
+        ids = torch.tensor([req.input_ids], dtype=torch.long, device=self.runner.device)
+        logits = self.model(input_ids=ids).logits[0].float()
+        lp = torch.log_softmax(logits[:-1], dim=-1)  # row i predicts token i + 1
+        start = req.logprob_start_len
+        token_lp = [None] + lp.gather(1, ids[0, 1:].unsqueeze(1)).squeeze(1).tolist()
+        req.input_token_logprobs = token_lp[start:]
+        if req.top_logprobs_num:
+            top = lp.topk(min(req.top_logprobs_num, lp.shape[-1]), dim=-1)
+            rows = [list(zip(v, i)) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+            req.input_top_logprobs = ([None] + rows)[start:]
+        if req.token_ids_logprob:
+            picked = lp[:, req.token_ids_logprob].tolist()
+            rows = [list(zip(v, req.token_ids_logprob)) for v in picked]
+            req.input_token_ids_logprobs = ([None] + rows)[start:]
+
+    def _sampling_params(self, batch: list[EngineRequest]) -> tuple:
+        min_ps = [r.min_p for r in batch]
         return (
             [r.slot for r in batch],
             [r.temperature for r in batch],
             [r.top_p for r in batch],
             [r.top_k for r in batch],
             [r._generator for r in batch],
+            min_ps if max(min_ps) > 0 else None,
+            [r for r in batch if r.needs_extras],
         )
 
     def _decode_step(self) -> None:
@@ -397,7 +544,14 @@ class Engine:
         self._append_tokens(list(batch), logits, params)
 
     def _append_tokens(self, batch: list[EngineRequest], logits: torch.Tensor, params: tuple) -> None:
-        tokens, logprobs = sample(logits, params[1], params[2], params[3], params[4], self._generator)
+        extras = params[6]
+        banned = None
+        if extras and any(r.min_new_tokens for r in extras):
+            banned = [sorted(r._stop_ids) if len(r.output_ids) < r.min_new_tokens else None for r in batch]
+        tokens, logprobs = sample(logits, params[1], params[2], params[3], params[4], self._generator,
+                                  min_ps=params[5], banned=banned, original=self.return_original_logprob)
+        if extras:
+            self._token_extras(batch, logits, extras, banned)
         version = self.weight_version
         for req, token, logprob in zip(batch, tokens, logprobs):
             out = req.output_ids
@@ -408,14 +562,37 @@ class Engine:
                 self._finish(req, {"type": "stop", "matched": token})
             elif len(out) >= req._max_output:
                 self._finish(req, {"type": "length", "length": len(out)})
+            elif req.stop_check is not None and len(out) >= req.min_new_tokens:
+                matched = req.stop_check(req)
+                if matched is not None:
+                    self._finish(req, {"type": "stop", "matched": matched})
+            if req.on_token is not None and req.finish_reason is None:
+                req.on_token(req)
 
-    def _abort_matching(self, match: Callable[[EngineRequest], bool], message: str) -> int:
+    def _token_extras(self, batch: list[EngineRequest], logits: torch.Tensor, extras: list[EngineRequest],
+                      banned: Optional[list]) -> None:
+        """Top-k and chosen-id log-probs (of the distribution ``sample`` reports) for the rows that asked."""
+        want = {id(r) for r in extras if r.top_logprobs_num or r.token_ids_logprob}
+        if not want:
+            return
+        rows = [i for i, r in enumerate(batch) if id(r) in want]
+        lp = reported_logprobs(logits[rows].float(), [batch[i].temperature for i in rows],
+                               [banned[i] for i in rows] if banned is not None else None, self.return_original_logprob)
+        for j, i in enumerate(rows):
+            req = batch[i]
+            if req.top_logprobs_num:
+                top = lp[j].topk(min(req.top_logprobs_num, lp.shape[-1]))
+                req.output_top_logprobs.append(list(zip(top.values.tolist(), top.indices.tolist())))
+            if req.token_ids_logprob:
+                req.output_token_ids_logprobs.append(list(zip(lp[j, req.token_ids_logprob].tolist(), req.token_ids_logprob)))
+
+    def _abort_matching(self, match: Callable[[EngineRequest], bool], message: str, status_code: Optional[int] = None) -> int:
         with self._cond:
             queued = [r for r in self._waiting if match(r)]
             self._waiting = [r for r in self._waiting if not match(r)]
         running = [r for r in self._running if match(r)]
         for req in queued + running:
-            self._finish(req, {"type": "abort", "message": message, "status_code": 200})
+            self._finish(req, {"type": "abort", "message": message, "status_code": status_code, "err_type": None})
         return len(queued) + len(running)
 
     def _finish(self, req: EngineRequest, reason: dict[str, Any], error: Optional[BaseException] = None) -> None:

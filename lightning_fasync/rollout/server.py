@@ -69,64 +69,207 @@ async def _blocking(fn: Any, *args: Any) -> Any:
 
 # ------------------------------------------------------------------------------ generation
 
+ENGINE_WATCH_S = 5.0  # how often a waiting handler checks that the engine is still alive
 
-async def generate(request: web.Request) -> web.Response:
+
+class _Submitted:
+    """Items of one call submitted to the engine, with their completion futures and stream progress."""
+
+    def __init__(self, request: web.Request, items: list[protocol.GenItem], streaming: bool = False) -> None:
+        self.engine = request.app[ENGINE_KEY]
+        self.tokenizer = request.app[STATE_KEY]["tokenizer"]
+        self.items = items
+        self.loop = asyncio.get_running_loop()
+        self.wake = asyncio.Event()
+        self.done: list[asyncio.Future] = [self.loop.create_future() for _ in items]
+        self.progress = [0] * len(items)  # tokens at the last stream notification (engine thread writes)
+        self.reqs: list[Any] = []
+        for i, item in enumerate(items):
+            self.reqs.append(protocol.engine_request(
+                item, self.tokenizer, self.engine.context_length, self._finisher(i),
+                self._streamer(i, item.stream_interval) if streaming else None,
+            ))
+
+    def _finisher(self, i: int) -> Any:
+        def on_finish(req: Any) -> None:  # engine thread
+            def settle() -> None:
+                if not self.done[i].done():
+                    self.done[i].set_result(req)
+                self.wake.set()
+
+            self.loop.call_soon_threadsafe(settle)
+
+        return on_finish
+
+    def _streamer(self, i: int, interval: int) -> Any:
+        def on_token(req: Any) -> None:  # engine thread
+            n = len(req.output_ids)
+            if n % interval == 0:
+                self.progress[i] = n
+                self.loop.call_soon_threadsafe(self.wake.set)
+
+        return on_token
+
+    def submit(self) -> Optional[tuple[int, str]]:
+        """Submit every item, all or nothing: a bad one raises ``BadRequest`` (none runs); a dead
+        engine gives ``(503, message)``."""
+        submitted = []
+        try:
+            for req in self.reqs:
+                self.engine.submit(req)
+                submitted.append(req)
+        except (ValueError, EngineDeadError) as exc:
+            if submitted and self.engine.alive:
+                self.engine.cancel(submitted)
+            if isinstance(exc, EngineDeadError):
+                return 503, str(exc)
+            raise BadRequest(str(exc)) from None
+        return None
+
+    async def finish(self) -> Optional[tuple[int, str]]:
+        """Wait for every item; ``(status, message)`` of the first that failed, or None.
+
+        A client that goes away (the handler is cancelled) frees the engine's slots.
+        """
+        try:
+            await self.wait_all()
+        except EngineDeadError as exc:
+            return 503, str(exc)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.cancel_unfinished())
+            raise
+        for req in self.reqs:
+            failure = failure_of(req)
+            if failure is not None:
+                return failure
+        return None
+
+    async def wait_all(self) -> None:
+        """Until every item finished; a dead engine ends the wait (its requests fail anyway)."""
+        while not all(f.done() for f in self.done):
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=ENGINE_WATCH_S)
+            except asyncio.TimeoutError:
+                if not self.engine.alive:
+                    raise EngineDeadError("The engine stopped while the request was waiting.") from None
+
+    async def cancel_unfinished(self) -> None:
+        left = [r for r, f in zip(self.reqs, self.done) if not f.done()]
+        if left and self.engine.alive:
+            await _blocking(self.engine.cancel, left)
+
+
+def failure_of(req: Any) -> Optional[tuple[int, str]]:
+    """``(status, message)`` of a request that failed, or was aborted with an error status (SGLang:
+    an ``abort_message`` makes it 503); None for one that finished (an abort included)."""
+    if req.error is not None:
+        return 503, f"Generation failed: {req.error}"
+    reason = req.finish_reason or {}
+    status = reason.get("status_code")
+    if reason.get("type") == "abort" and isinstance(status, int) and 400 <= status < 600:
+        return status, reason.get("message") or "Aborted"
+    return None
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     state = request.app[STATE_KEY]
-    gen = protocol.parse_generate(await _body(request), state["tokenizer"])
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
+    parsed = protocol.parse_generate(await _body(request), state["tokenizer"])
+    run = _Submitted(request, parsed.items, streaming=parsed.stream)
+    failure = run.submit()
+    if failure is None and parsed.stream:
+        return await _stream(request, run, parsed)
+    if failure is None:
+        failure = await run.finish()
+    if failure is not None:
+        return _error(*failure)
+    outs = [protocol.item_response(r, it, state["tokenizer"], engine.weight_version) for r, it in zip(run.reqs, run.items)]
+    return web.json_response(outs[0] if parsed.is_single else outs)
 
-    def on_finish(req: Any) -> None:  # engine thread
-        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(req))
 
-    req = gen.to_engine_request(on_finish)
+async def _stream(request: web.Request, run: _Submitted, parsed: protocol.ParsedGenerate) -> web.StreamResponse:
+    """Server-sent events as SGLang sends them: one ``data: {...}`` chunk per update of an item
+    (cumulative text, output ids and log-probs so far; ``index`` names the item in a batch), its final
+    chunk carrying ``finish_reason``, then ``data: [DONE]``."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    tokenizer = request.app[STATE_KEY]["tokenizer"]
+    engine = run.engine
+    sent = [0] * len(run.items)
+    closed = [False] * len(run.items)
+
+    async def emit(i: int, finished: bool, upto: Optional[int]) -> None:
+        out = protocol.item_response(run.reqs[i], run.items[i], tokenizer, engine.weight_version, finished=finished,
+                                     upto=upto)
+        if not parsed.is_single:
+            out["index"] = i
+        await response.write(b"data: " + json.dumps(out).encode() + b"\n\n")
+
     try:
-        engine.submit(req)
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from None
-    except EngineDeadError as exc:
-        return _error(503, str(exc))
-    # No overall deadline: a paused engine holds requests by design. The loop only wakes to notice
-    # a dead engine, which fails its requests anyway.
-    while True:
-        try:
-            await asyncio.wait_for(asyncio.shield(done), timeout=5.0)
-            break
-        except asyncio.TimeoutError:
-            if not engine.alive and not done.done():
-                return _error(503, "The engine stopped while the request was waiting.")
-    if req.error is not None:
-        return _error(503, f"Generation failed: {req.error}")
-    return web.json_response(protocol.generate_response(req, gen, state["tokenizer"], engine.weight_version))
+        while not all(closed):
+            run.wake.clear()
+            for i in range(len(run.items)):
+                if closed[i]:
+                    continue
+                if run.done[i].done():
+                    req = run.reqs[i]
+                    if req.error is not None:
+                        error = {"error": {"message": f"Generation failed: {req.error}", "code": 503}}
+                        await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                    else:
+                        await emit(i, True, None)
+                    closed[i] = True
+                elif run.progress[i] > sent[i]:
+                    sent[i] = run.progress[i]
+                    await emit(i, False, sent[i])
+            if all(closed):
+                break
+            try:
+                await asyncio.wait_for(run.wake.wait(), timeout=ENGINE_WATCH_S)
+            except asyncio.TimeoutError:
+                if not engine.alive:
+                    error = {"error": {"message": "The engine stopped while the request was waiting.", "code": 503}}
+                    await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                    break
+        await response.write(b"data: [DONE]\n\n")
+    except (asyncio.CancelledError, ConnectionResetError):
+        await asyncio.shield(run.cancel_unfinished())
+        raise
+    await response.write_eof()
+    return response
 
 
 async def abort_request(request: web.Request) -> web.Response:
     body = await _body(request)
-    protocol.check_fields(body, {"rid", "abort_all", "abort_message"}, "abort_request")
+    protocol.check_fields(body, {"rid", "abort_all", "abort_message", "finished_reason", "weight_versions",
+                                 "http_worker_ipc"}, "abort_request")
     rid = protocol.opt(body, "rid", str, "")
     abort_all = protocol.opt(body, "abort_all", bool, False)
+    message = protocol.opt(body, "abort_message", str, None)
     try:
-        n = await _blocking(request.app[ENGINE_KEY].abort, rid, abort_all)
+        await _blocking(request.app[ENGINE_KEY].abort, rid, abort_all, message)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-    return web.json_response({"success": True, "num_aborted": n})
+    return web.Response(status=200)  # SGLang answers an empty 200
 
 
 async def pause_generation(request: web.Request) -> web.Response:
     body = await _body(request)
-    protocol.check_fields(body, {"mode"}, "pause_generation")
+    protocol.check_fields(body, {"mode", "http_worker_ipc", "rid"}, "pause_generation")
     mode = protocol.opt(body, "mode", str, "abort")
     try:
-        n = await _blocking(request.app[ENGINE_KEY].pause, mode)
+        await _blocking(request.app[ENGINE_KEY].pause, mode)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-    return web.json_response({"success": True, "message": f"Generation paused ({mode}).", "num_aborted": n})
+    return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
+    body = await _body(request)
+    protocol.check_fields(body, {"torch_empty_cache", "http_worker_ipc", "rid"}, "continue_generation")
     await _blocking(request.app[ENGINE_KEY].resume)
-    return web.json_response({"success": True, "message": "Generation continued."})
+    return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 # ------------------------------------------------------------------------------ weights
@@ -152,9 +295,53 @@ async def _apply_update(request: web.Request, tensors: dict[str, Any], version: 
         n = await _blocking(engine.update_weights, tensors, version)
     except ValueError as exc:
         return web.json_response({"success": False, "message": str(exc)}, status=400)
+    state = request.app[STATE_KEY]
+    if state["weight_update_session"] is not None:
+        state["weight_update_session"]["loaded"] = True
     return web.json_response(
         {"success": True, "message": f"Updated {n} tensors; weight_version={engine.weight_version}.", "num_paused_requests": 0}
     )
+
+
+def _outside_session(request: web.Request, endpoint: str) -> Optional[web.Response]:
+    """SGLang 0.5.23 refuses tensor (and distributed) updates outside begin/end_weight_update."""
+    state = request.app[STATE_KEY]
+    if state["require_weight_update_session"] and state["weight_update_session"] is None:
+        return web.json_response(
+            {"success": False,
+             "message": f"{endpoint} must run between begin_weight_update() and end_weight_update()"},
+            status=400,
+        )
+    return None
+
+
+async def begin_weight_update(request: web.Request) -> web.Response:
+    body = await _body(request)
+    protocol.check_fields(body, {"selector", "http_worker_ipc", "rid"}, "begin_weight_update")
+    selector = protocol.opt(body, "selector", str, "all")
+    if selector not in ("target", "draft", "all"):
+        raise BadRequest(f"`selector` must be 'target', 'draft' or 'all', got {selector!r}.")
+    state = request.app[STATE_KEY]
+    if state["weight_update_session"] is not None:
+        return web.json_response(
+            {"success": False, "message": "a weight-update session is already open; call end_weight_update() first"},
+            status=400,
+        )
+    state["weight_update_session"] = {"selector": selector, "loaded": False}
+    return web.json_response({"success": True, "message": "Success"})
+
+
+async def end_weight_update(request: web.Request) -> web.Response:
+    body = await _body(request)
+    protocol.check_fields(body, {"http_worker_ipc", "rid"}, "end_weight_update")
+    state = request.app[STATE_KEY]
+    if state["weight_update_session"] is None:
+        return web.json_response(
+            {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"},
+            status=400,
+        )
+    state["weight_update_session"] = None
+    return web.json_response({"success": True, "message": "Success"})
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -184,6 +371,9 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     protocol.check_fields(
         body, {"safetensors_path", "load_format", "weight_version", "flush_cache", "abort_all_requests"}, "update_weights_from_tensor"
     )
+    refused = _outside_session(request, "update_weights_from_tensor")
+    if refused is not None:
+        return refused
     path = protocol.req(body, "safetensors_path", str)
     if not os.path.isfile(path):
         raise BadRequest(f"safetensors_path {path!r} is not a file.")
@@ -194,32 +384,60 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
 async def update_weight_version(request: web.Request) -> web.Response:
     body = await _body(request)
-    protocol.check_fields(body, {"new_version", "abort_all_requests"}, "update_weight_version")
+    protocol.check_fields(body, {"new_version", "abort_all_requests", "http_worker_ipc", "rid"}, "update_weight_version")
     version = protocol.req(body, "new_version", str)
     engine = request.app[ENGINE_KEY]
-    if protocol.opt(body, "abort_all_requests", bool, False):
+    if protocol.opt(body, "abort_all_requests", bool, True):  # SGLang's default: abort everything first
         await _blocking(engine.abort, "", True)
     await _blocking(engine.set_weight_version, version)
-    return web.json_response({"success": True, "message": f"weight_version={version}.", "new_version": version})
+    return web.json_response({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    # KV caches are per request and die with it; there is no shared prefix cache to flush.
-    return web.Response(text="Cache flushed.\n")
+    """SGLang's ``/flush_cache``: 400 while requests run or wait (``?timeout=`` waits that long for idle)."""
+    try:
+        timeout = float(request.query.get("timeout", 0.0))
+    except ValueError:
+        raise BadRequest(f"`timeout` must be a number, got {request.query.get('timeout')!r}.") from None
+    engine = request.app[ENGINE_KEY]
+    deadline = time.monotonic() + max(timeout, 0.0)
+    while True:
+        ok, message = await _blocking(engine.flush_cache)
+        if ok or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.05)
+    if ok:
+        message = ("Cache flushed.\nPlease check backend logs for more details. "
+                   "(When there are running or waiting requests, the operation will not be performed.)\n")
+    return web.Response(text=message, status=200 if ok else 400)
 
 
 # ------------------------------------------------------------------------------ info and health
 
 
+SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP semantics this server follows
+
+
 async def model_info(request: web.Request) -> web.Response:
+    """SGLang's ``/model_info`` fields (plus the engine's limits, which SGLang reports elsewhere)."""
     engine, state = request.app[ENGINE_KEY], request.app[STATE_KEY]
+    config = engine.model.config
     return web.json_response(
         {
             "model_path": state["model_path"],
+            "served_model_name": state["served_model_name"],
             "tokenizer_path": state["model_path"],
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": engine.weight_version,
+            "load_format": "safetensors",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+            "disaggregation_mode": "null",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
             "max_context_length": engine.context_length,
             "vocab_size": engine.vocab_size,
             "eos_token_ids": sorted(engine.eos_token_ids),
@@ -228,17 +446,29 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
+    """SGLang's ``/server_info``: the server arguments that apply here, live state, the version."""
     engine, state = request.app[ENGINE_KEY], request.app[STATE_KEY]
     return web.json_response(
         {
             "model_path": state["model_path"],
+            "tokenizer_path": state["model_path"],
+            "served_model_name": state["served_model_name"],
+            "host": state.get("host"),
+            "port": state.get("port"),
             "tp_size": 1,
             "dp_size": 1,
+            "pp_size": 1,
             "context_length": engine.context_length,
             "max_running_requests": engine.max_running_requests,
+            "allow_auto_truncate": engine.allow_auto_truncate,
             "weight_version": engine.weight_version,
-            "version": "lightning-fasync-embedded",
+            "skip_tokenizer_init": state["tokenizer"] is None,
+            "device": str(engine.runner.device),
+            "dtype": str(engine.runner.dtype).replace("torch.", ""),
             "internal_states": [engine.loads()],
+            "version": SGLANG_API_VERSION,
+            "frontend": "python",
+            "engine": "lightning-fasync-embedded",
         }
     )
 
@@ -271,9 +501,38 @@ async def health_generate(request: web.Request) -> web.Response:
     return web.Response(text="")
 
 
+def _load_snapshot(engine: Any) -> dict[str, Any]:
+    load = engine.loads()
+    used = load["num_total_tokens"]
+    capacity = engine.max_running_requests * engine.context_length
+    return {
+        "dp_rank": 0,
+        "num_running_reqs": load["num_running_reqs"],
+        "num_waiting_reqs": load["num_waiting_reqs"],
+        "num_used_tokens": used,
+        "num_total_tokens": used,
+        "max_total_num_tokens": capacity,
+        "max_running_requests": engine.max_running_requests,
+        "token_usage": used / capacity if capacity else 0.0,
+        "paused": load["paused"],
+        "weight_version": load["weight_version"],
+    }
+
+
 async def loads(request: web.Request) -> web.Response:
-    load = request.app[ENGINE_KEY].loads()
-    return web.json_response({"timestamp": time.time(), "dp_rank_count": 1, "loads": [{"dp_rank": 0, **load}]})
+    """SGLang's ``/v1/loads``: one load snapshot per data-parallel rank (here one)."""
+    if request.query.get("dp_rank") not in (None, "0"):
+        return web.json_response({"timestamp": _utc_now(), "version": SGLANG_API_VERSION, "loads": []})
+    return web.json_response({
+        "timestamp": _utc_now(), "version": SGLANG_API_VERSION, "accelerator": None, "num_accelerators": 1,
+        "loads": [_load_snapshot(request.app[ENGINE_KEY])],
+    })
+
+
+def _utc_now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()
 
 
 async def get_load(request: web.Request) -> web.Response:
@@ -284,13 +543,34 @@ async def get_load(request: web.Request) -> web.Response:
     )
 
 
-def build_app(engine: Any, tokenizer: Any, model_path: str, api_key: Optional[str] = None) -> web.Application:
-    """The aiohttp application serving ``engine`` with SGLang's native routes."""
+def build_app(
+    engine: Any,
+    tokenizer: Any,
+    model_path: str,
+    api_key: Optional[str] = None,
+    served_model_name: Optional[str] = None,
+    require_weight_update_session: bool = True,
+) -> web.Application:
+    """The aiohttp application serving ``engine`` with SGLang's native and OpenAI-compatible routes.
+
+    Args:
+        require_weight_update_session: Refuse tensor weight updates outside
+            ``/begin_weight_update`` ... ``/end_weight_update``, as SGLang 0.5.23 does; False
+            accepts them as SGLang 0.5.15 does.
+    """
+    from lightning_fasync.rollout import openai_api
+
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=64 * 1024**2)
     app[ENGINE_KEY] = engine
-    app[STATE_KEY] = {"tokenizer": tokenizer, "model_path": model_path, "api_key": api_key}
+    app[STATE_KEY] = {
+        "tokenizer": tokenizer, "model_path": model_path, "api_key": api_key,
+        "served_model_name": served_model_name or model_path,
+        "require_weight_update_session": require_weight_update_session, "weight_update_session": None,
+    }
     r = app.router
     r.add_post("/generate", generate)
+    r.add_post("/begin_weight_update", begin_weight_update)
+    r.add_post("/end_weight_update", end_weight_update)
     r.add_post("/abort_request", abort_request)
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)
@@ -309,6 +589,7 @@ def build_app(engine: Any, tokenizer: Any, model_path: str, api_key: Optional[st
     r.add_get("/health_generate", health_generate)
     r.add_get("/v1/loads", loads)
     r.add_get("/get_load", get_load)
+    openai_api.add_routes(app)
     return app
 
 
@@ -324,7 +605,17 @@ def parse_args(argv: Optional[list[str]] = None) -> Namespace:
     p.add_argument("--max-running-requests", type=int, default=None, help="Requests decoded together at most.")
     p.add_argument("--context-length", type=int, default=None, help="Prompt + response tokens per request.")
     p.add_argument("--api-key", default=os.environ.get("FASYNC_ENGINE_API_KEY"), help="Require 'Authorization: Bearer KEY'.")
-    p.add_argument("--weight-version", default="0", help="Version label of the initial weights.")
+    p.add_argument("--weight-version", default="default", help="Version label of the initial weights (SGLang's default).")
+    p.add_argument("--served-model-name", default=None, help="Model name in /v1/models and OpenAI responses (default: --model).")
+    p.add_argument("--allow-auto-truncate", type=bool, default=False,
+                   help="Cap max_new_tokens at what the context leaves instead of answering 400 (SGLang's flag).")
+    p.add_argument("--return-original-logprob", type=bool,
+                   default=os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true"),
+                   help="Log-probs of the raw logits at temperature 1 instead of the sampled (temperature-scaled) "
+                        "distribution; default from SGLang's SGLANG_RETURN_ORIGINAL_LOGPROB.")
+    p.add_argument("--require-weight-update-session", type=bool, default=True,
+                   help="Refuse tensor weight updates outside /begin_weight_update ... /end_weight_update "
+                        "(SGLang 0.5.23); false accepts them as SGLang 0.5.15 does.")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda).")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="Parameter and KV-cache dtype.")
     p.add_argument("--cpu-cores", default=None, help="Comma-separated CPU cores to pin this process to.")
@@ -377,8 +668,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     model, tokenizer = build_policy(args.model, dtype=getattr(torch, args.dtype))
     model.to(args.device)
     engine = Engine(model, max_running_requests=args.max_running_requests, context_length=args.context_length,
-                    weight_version=args.weight_version)
-    app = build_app(engine, tokenizer, args.model, args.api_key)
+                    weight_version=args.weight_version, allow_auto_truncate=args.allow_auto_truncate,
+                    return_original_logprob=args.return_original_logprob)
+    app = build_app(engine, tokenizer, args.model, args.api_key, served_model_name=args.served_model_name,
+                    require_weight_update_session=args.require_weight_update_session)
+    app[STATE_KEY].update(host=args.host, port=args.port)
 
     async def on_startup(app: web.Application) -> None:
         if args.parent_pid:
@@ -396,4 +690,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package module's main: under ``python -m`` this file is also imported by its package
+    # name (openai_api imports it), and the app must use that copy's AppKeys.
+    from lightning_fasync.rollout.server import main as package_main
+
+    sys.exit(package_main())
