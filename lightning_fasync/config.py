@@ -89,6 +89,11 @@ class TrainerConfig:
     """Training GPUs per node (on CPU: trainer processes per node)."""
     save_freq: int = 0
     """Save a checkpoint every this many rollout steps; 0 saves none periodically."""
+    save_keep_last: Optional[int] = 3
+    """Periodic checkpoints kept: older ones are removed after each successful save; null keeps all."""
+    preempt_grace_s: float = 30.0
+    """After SIGTERM or SIGINT: seconds to finish the step and save a checkpoint before the run exits
+    (status 128 + signal); a step that cannot finish in time is abandoned (the last checkpoint stands)."""
     rollout_steps: Optional[int] = None
     """Outer (rollout) steps to train; sets Lightning's max_steps to rollout_steps x (B x N) // M."""
     use_rollout_log_probs: bool = False
@@ -558,6 +563,12 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
         )
     if cfg.trainer.save_freq < 0:
         raise ConfigError(f"`trainer.save_freq` is {cfg.trainer.save_freq}; it must be >= 0 (0 disables periodic saves).")
+    if cfg.trainer.save_keep_last is not None and cfg.trainer.save_keep_last < 1:
+        raise ConfigError(
+            f"`trainer.save_keep_last` is {cfg.trainer.save_keep_last}; it must be >= 1 (null keeps every checkpoint)."
+        )
+    if not cfg.trainer.preempt_grace_s > 0:
+        raise ConfigError(f"`trainer.preempt_grace_s` is {cfg.trainer.preempt_grace_s}; it must be > 0 seconds.")
     B, N, M = cfg.B, cfg.N, cfg.M
     if (B * N) % M != 0:
         raise ConfigError(

@@ -51,7 +51,7 @@ def test_fabric_loop_example(tmp_path):
     loop = fabric_loop.main(rollout_steps=4, root=str(tmp_path))
     assert loop.controller.rollout_step == 4
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(tmp_path, "checkpoints", "*.ckpt")))
-    assert ckpts == ["step-000001.ckpt", "step-000003.ckpt"]
+    assert ckpts == ["last.ckpt", "step-000001.ckpt", "step-000003.ckpt"]
     (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
     tb = read_scalars(log_dir)
     for name in ("train/loss", "rollout/pipeline_buf_size", "perf/wait_ratio", "timing/process_traj", "timing/pause_delay"):

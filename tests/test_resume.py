@@ -1,7 +1,6 @@
 """Nothing lost on resume: SIGKILL the trainer mid-step, resume from the last checkpoint, audit the
 ledger; engines of the killed run stop by themselves."""
 
-import glob
 import os
 import subprocess
 import sys
@@ -9,27 +8,13 @@ import time
 
 import pytest
 
+from ledger_audit import audit_resume, children_of
 from lightning_fasync.pipeline.events import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 B, STEPS = 16, 10
 SAVE_FREQ, KILL_IN_STEP = 2, 5  # checkpoints after steps 1, 3, 5, ...; the kill lands in step 5
-
-
-def children_of(pid):
-    """Processes started with --parent-pid PID (engines, router supervisors), read from /proc."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"--parent-pid" in argv and argv[argv.index(b"--parent-pid") + 1] == str(pid).encode():
-            out.append(int(d))
-    return out
 
 
 @pytest.mark.slow
@@ -68,23 +53,4 @@ def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(tmp_path):
 
     run1 = read_jsonl(ledger1)
     run2 = read_jsonl(os.path.join(tmp_path, "lightning_logs", "version_1", "ledger.jsonl"))
-    # The resumed run says which checkpoint it restored: everything run 1 consumed before that
-    # step is in the checkpoint, everything from that step on was rolled back. (The kill may land
-    # between writing last.ckpt and the ledger's "checkpoint" line, so the resume line decides.)
-    assert run2[0]["kind"] == "resume"
-    resume_step = run2[0]["step"]
-    assert run2[0]["weight_version"] == resume_step
-    saved = {r["resume_step"] for r in run1 if r["kind"] == "checkpoint"}
-    assert resume_step in saved or resume_step == max(saved) + 1, (resume_step, saved)
-    committed = [r["prompt"] for r in run1 if r["kind"] == "consume" and r["step"] < resume_step]
-    rolled_back = [r["prompt"] for r in run1 if r["kind"] == "consume" and r["step"] >= resume_step]
-    replayed = [r["prompt"] for r in run2 if r["kind"] == "consume"]
-
-    # Up to the checkpoint: every step's B prompts, each once.
-    assert len(committed) == resume_step * B == len(set(committed))
-    # After it: the resumed run trains the remaining steps; nothing twice, nothing lost.
-    everything = committed + replayed
-    assert len(everything) == STEPS * B
-    assert len(set(everything)) == len(everything), "a prompt was trained twice"
-    assert set(rolled_back) <= set(replayed), "prompts consumed after the checkpoint were lost"
-    assert sorted({r["step"] for r in run2 if r["kind"] == "consume"}) == list(range(resume_step, STEPS))
+    audit_resume(run1, run2, B, STEPS)

@@ -12,7 +12,12 @@ Hooks, in the order Lightning calls them:
   says the step is over, run the step boundary through :class:`FullyAsyncController` (pause,
   metrics, checkpoint on ``save_freq``, weight sync, resume) and log the step's metrics once, at
   step = rollout step.
+- ``on_save_checkpoint`` / ``on_load_checkpoint``: record the run's identity; refuse a resume that
+  would break exactly-once accounting (:mod:`~lightning_fasync.lightning.checkpoints`).
 - ``on_exception`` / ``teardown``: stop threads and engines, idempotently.
+
+SIGTERM or SIGINT during ``fit`` finishes the step, saves a checkpoint and exits with status
+128 + signal (:mod:`~lightning_fasync.lightning.preemption`).
 
 The module must implement :class:`~lightning_fasync.lightning.hooks.FullyAsyncHooks`.
 """
@@ -28,7 +33,9 @@ from typing_extensions import override
 
 from lightning_fasync.config import ConfigError, FasyncConfig, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
+from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_hparams, check_resume, run_identity
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
+from lightning_fasync.lightning.preemption import Preemption
 from lightning_fasync.lightning.resources import plan_cpu_resources
 from lightning_fasync.lightning.runtime import RolloutRuntime
 from lightning_fasync.pipeline.controller import FullyAsyncController, StepSchedule
@@ -104,6 +111,8 @@ class FullyAsyncCallback(Callback):
         self._step = 0  # the rollout step every rank is training
         self._trainer: Optional[pl.Trainer] = None
         self._hooks: Optional[FullyAsyncHooks] = None
+        self._files: Optional[CheckpointFiles] = None
+        self.preemption = Preemption(self.cfg.trainer.preempt_grace_s)
         self._closed = False
 
     # ------------------------------------------------------------------ set-up
@@ -126,6 +135,7 @@ class FullyAsyncCallback(Callback):
         else:
             plan, engine_threads, weight_sync = plan_cpu_resources(1, colocate=colocate), None, "tensor"
         self.log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
+        self._files = CheckpointFiles(os.path.join(self.log_dir, "checkpoints"), cfg.trainer.save_keep_last)
         self._rank, self._world = trainer.global_rank, trainer.world_size
         if self._world > 1 and cfg.groups_per_minibatch % self._world:
             raise ConfigError(
@@ -161,10 +171,22 @@ class FullyAsyncCallback(Callback):
         return self.controller.state_dict() if self.controller is not None else {}
 
     @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint["fasync_identity"] = run_identity(self.cfg, pl_module)
+
+    @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        where = str(trainer.ckpt_path)
+        check_resume(checkpoint.get("fasync_identity"), run_identity(self.cfg, pl_module), where)
+        check_hparams(checkpoint.get("hyper_parameters"), dict(pl_module.hparams), where)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.preemption.install()  # after Lightning's own signal handlers, which it restores at the end
         step = -1
         if self._rank == 0:
             ctl = self._require_controller()
+            ctl.state.interrupt = self._check_preemption
             if self._pending_state is not None:
                 ctl.load_state_dict(self._pending_state)
                 self._pending_state = None
@@ -186,6 +208,7 @@ class FullyAsyncCallback(Callback):
                 "return lightning_fasync.lightning.rollout_dataloader() from train_dataloader() or pass it to fit()."
             )
         ctl, hooks = self.controller, self._require_hooks()
+        self._check_preemption()
         groups = ctl.fetch() if ctl is not None else None
         if self._world > 1:
             # Rank 0 fetched on its main thread; every rank trains on its share of the mini-batch.
@@ -210,7 +233,10 @@ class FullyAsyncCallback(Callback):
         if ctl is not None:
             ctl.record(metrics)
         if not self.schedule.call_done():
+            self._check_preemption()
             return
+        # A signal received by now makes this boundary save and end the run (rank 0 decides).
+        self.schedule.force_save = bool(self._broadcast(trainer, self.preemption.requested))
         if ctl is not None:
             step, step_metrics = ctl.step_boundary(self)
             for logger in trainer.loggers:
@@ -221,6 +247,8 @@ class FullyAsyncCallback(Callback):
         elif self.schedule.save_due(self._step):
             # The other ranks take part in the checkpoint's collectives in rank 0's order.
             self.save_checkpoint(self._step)
+        if self.schedule.force_save:
+            raise self.preemption.stop(self._files.path(self._step) if self._files is not None else None)
         self._step = self._broadcast(trainer, ctl.rollout_step if ctl is not None else -1)
         self._require_hooks().begin_rollout_step(self._step)
 
@@ -249,16 +277,16 @@ class FullyAsyncCallback(Callback):
     # ------------------------------------------------------------------ StepHooks
 
     def save_checkpoint(self, step: int) -> None:
-        trainer = self._trainer
-        assert trainer is not None and self.log_dir is not None
-        directory = os.path.join(self.log_dir, "checkpoints")
-        path = os.path.join(directory, f"step-{step:06d}.ckpt")
-        trainer.save_checkpoint(path, weights_only=False)
-        last = os.path.join(directory, "last.ckpt")
-        tmp = last + ".tmp"
-        trainer.save_checkpoint(tmp, weights_only=False)
-        if trainer.is_global_zero:  # the rank that wrote it
-            os.replace(tmp, last)  # atomic: a kill mid-save never leaves a torn last.ckpt
+        trainer, files = self._trainer, self._files
+        assert trainer is not None and files is not None
+        # Every rank calls save_checkpoint (collectives); global rank 0 writes, renames and links.
+        files.save(step, lambda path: trainer.save_checkpoint(path, weights_only=False), trainer.is_global_zero)
+
+    def _check_preemption(self) -> None:
+        """Abandon the step if a signal's grace period is over (rank 0's main thread decides; the
+        other ranks follow at the next boundary or when the launcher stops them)."""
+        if self._rank == 0:
+            self.preemption.check(self._files.last if self._files is not None else (lambda: None))
 
     def sync_weights(self, version: int) -> None:
         runtime = self.runtime
@@ -282,6 +310,7 @@ class FullyAsyncCallback(Callback):
         if self._closed:
             return
         self._closed = True
+        self.preemption.restore()
         if self.runtime is not None:
             self.runtime.shutdown(raise_errors=raise_errors)
 

@@ -12,7 +12,6 @@ one-sentence error and exits with status 2.
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 from typing import Any, Optional, Sequence
@@ -23,6 +22,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_fasync.config import ConfigError, FasyncConfig, TrainerConfig, add_config_arguments, config_from_namespace, validate
 from lightning_fasync.lightning.callback import FullyAsyncCallback
+from lightning_fasync.lightning.checkpoints import find_last
 from lightning_fasync.lightning.module import RLPolicyModule
 from lightning_fasync.lightning.progress import RolloutProgressBar
 from lightning_fasync.lightning.strategy import FullyAsyncStrategy
@@ -75,14 +75,14 @@ class FasyncCLI(LightningCLI):
 
 
 def find_last_checkpoint(root: str) -> str:
-    """The newest ``last.ckpt`` the callback wrote under ``root`` (for ``--ckpt_path last``)."""
-    found = glob.glob(os.path.join(root, "**", "checkpoints", "last.ckpt"), recursive=True)
-    if not found:
+    """The checkpoint the newest ``last.ckpt`` under ``root`` points to (for ``--ckpt_path last``)."""
+    found = find_last(root)
+    if found is None:
         raise ConfigError(
             f"`ckpt_path` is 'last', but no checkpoints/last.ckpt exists under {root!r} "
             "(set trainer.save_freq so checkpoints are written, or give the checkpoint's path)."
         )
-    return max(found, key=os.path.getmtime)
+    return found
 
 
 def _where_it_went(cli: FasyncCLI) -> None:

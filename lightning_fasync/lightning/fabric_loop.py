@@ -10,6 +10,10 @@ contract of the module, and runs :meth:`FullyAsyncController.run_step` (fetch â†
 ``on_rollout_batch_start(loop, groups)``, ``on_rollout_batch_end(loop, metrics)``,
 ``on_rollout_step_end(loop, step, metrics)``, ``on_fasync_train_end(loop)``. (Names of their own:
 Fabric also calls hooks on a LightningModule it set up, whose ``on_train_*`` take other arguments.)
+
+Checkpoints are written atomically with retention and a ``last.ckpt`` link, and carry the run's
+identity (:mod:`~lightning_fasync.lightning.checkpoints`); SIGTERM or SIGINT finishes the step,
+saves a checkpoint and exits with status 128 + signal (:mod:`~lightning_fasync.lightning.preemption`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import torch
 
 from lightning_fasync.config import ConfigError, FasyncConfig, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
+from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_resume, run_identity
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
+from lightning_fasync.lightning.preemption import Preemption
 from lightning_fasync.lightning.resources import plan_cpu_resources
 from lightning_fasync.lightning.runtime import RolloutRuntime
 from lightning_fasync.pipeline.datasource import DataSource
@@ -64,6 +70,8 @@ class FullyAsyncFabricLoop:
         self._model: Optional[torch.nn.Module] = None
         self._hooks: Optional[FullyAsyncHooks] = None
         self._optimizer: Optional[torch.optim.Optimizer] = None
+        self.files = CheckpointFiles(os.path.join(log_dir, "checkpoints"), self.cfg.trainer.save_keep_last)
+        self._saved_step: Optional[int] = None
 
     @property
     def controller(self):
@@ -89,7 +97,8 @@ class FullyAsyncFabricLoop:
                 ``optimizer.step`` and ``zero_grad``, and takes the call's metrics from
                 ``rollout_metrics()``.
             engine_model: what the engines load (default: the module's ``engine_model``).
-            state: a checkpoint's ``"fasync"`` entry, to resume the pipeline.
+            state: a checkpoint's ``"fasync"`` entry, to resume the pipeline (a change of the
+                config that breaks exactly-once accounting is refused; see ``check_resume``).
         """
         fabric, cfg = self.fabric, self.cfg
         if fabric.world_size > 1:
@@ -99,6 +108,8 @@ class FullyAsyncFabricLoop:
             )
         hooks = require_hooks(model, "FullyAsyncFabricLoop")
         hooks.check_fasync_config(cfg)
+        if state is not None:
+            check_resume(state.get("identity"), run_identity(cfg, model), "the checkpoint given as state")
         self._model, self._hooks, self._optimizer = model, hooks, optimizer
         if training_step is None:
             calls = iter(range(1 << 62))
@@ -109,12 +120,15 @@ class FullyAsyncFabricLoop:
             engine_startup_timeout=self.engine_startup_timeout, admin_timeout=self.admin_timeout, **self._rollout_side,
         )
         ctl = self.runtime.controller
+        preemption = Preemption(cfg.trainer.preempt_grace_s, on_request=lambda: setattr(ctl.schedule, "force_save", True))
+        ctl.state.interrupt = lambda: preemption.check(self.files.last)
 
         def prepare(groups: list[TrajectoryGroup]) -> RolloutBatch:
             fabric.call("on_rollout_batch_start", loop=self, groups=groups)
             return RolloutBatch(groups=groups, rollout_step=ctl.rollout_step, data=hooks.prepare_rollout_batch(groups))
 
         def train(batch: RolloutBatch) -> dict[str, float]:
+            preemption.check(self.files.last)
             loss = training_step(batch)
             fabric.backward(loss)
             fabric.call("on_before_optimizer_step", optimizer)
@@ -125,6 +139,7 @@ class FullyAsyncFabricLoop:
             return metrics
 
         ok = False
+        preemption.install()
         try:
             if state is not None:
                 ctl.load_state_dict(state)
@@ -137,16 +152,22 @@ class FullyAsyncFabricLoop:
                 step, step_metrics = ctl.run_step(train, self, prepare=prepare)
                 fabric.log_dict(step_metrics, step=step)
                 fabric.call("on_rollout_step_end", loop=self, step=step, metrics=step_metrics)
+                if preemption.requested and self._saved_step == step:  # the boundary saved: stop here
+                    raise preemption.stop(self.files.path(step))
             fabric.call("on_fasync_train_end", loop=self)
             ok = True
         finally:
+            preemption.restore()
             self.runtime.shutdown(raise_errors=ok)
 
     # ------------------------------------------------------------------ StepHooks
 
     def save_checkpoint(self, step: int) -> None:
-        path = os.path.join(self.log_dir, "checkpoints", f"step-{step:06d}.ckpt")
-        self.fabric.save(path, {"model": self._model, "optimizer": self._optimizer, "fasync": self.runtime.controller.state_dict()})
+        """Save model, optimizer and pipeline (``"fasync"``, with the run's identity) atomically."""
+        fasync = {**self.runtime.controller.state_dict(), "identity": run_identity(self.cfg, self._model)}
+        state = {"model": self._model, "optimizer": self._optimizer, "fasync": fasync}
+        self.files.save(step, lambda path: self.fabric.save(path, state), self.fabric.is_global_zero)
+        self._saved_step = step
 
     def sync_weights(self, version: int) -> None:
         self.runtime.sync_weights(self._hooks.engine_state_dict(), version)

@@ -204,6 +204,19 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
     # ------------------------------------------------------------------ Lightning
 
     @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse, in one sentence, a checkpoint of a policy with another shape (before Lightning loads it)."""
+        saved = checkpoint.get("state_dict") or {}
+        mine = {k: v for k, v in self.state_dict().items() if k.startswith("policy.")}
+        theirs = {k: v for k, v in saved.items() if k.startswith("policy.")}
+        diff = sorted(set(mine) ^ set(theirs)) or sorted(k for k in mine if tuple(mine[k].shape) != tuple(theirs[k].shape))
+        if diff:
+            raise ConfigError(
+                f"`model.model` is {self.model_name_or_path!r}, whose policy differs in shape from the checkpoint's "
+                f"(first difference: {diff[0]!r}); resume with the model the checkpoint was trained with."
+            )
+
+    @override
     def train_dataloader(self):
         return rollout_dataloader()
 

@@ -123,6 +123,8 @@ class StepSchedule:
     """``trainer.save_freq``: save after every this many rollout steps; 0 never."""
     calls: int = 0
     """Training calls finished in the current step."""
+    force_save: bool = False
+    """Save at the next boundary whatever ``save_freq`` says (a preempted run's last checkpoint)."""
 
     @classmethod
     def from_config(cls, cfg: FasyncConfig) -> "StepSchedule":
@@ -138,7 +140,7 @@ class StepSchedule:
 
     def save_due(self, step: int) -> bool:
         """Whether the boundary that ends rollout step ``step`` saves a checkpoint."""
-        return self.save_freq > 0 and (step + 1) % self.save_freq == 0
+        return self.force_save or (self.save_freq > 0 and (step + 1) % self.save_freq == 0)
 
 
 def build_state(

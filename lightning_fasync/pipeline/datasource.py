@@ -130,8 +130,16 @@ class ListDataSource(DataSource):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.seed = int(state["seed"])
-        self.shuffle = bool(state["shuffle"])
+        # The saved position is meaningful only in the saved order: a different seed or shuffle
+        # would replay some prompts and skip others, so it is refused, not silently overwritten.
+        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle)):
+            if state[key] != mine:
+                from lightning_fasync.pipeline.state import PipelineError  # state imports this module
+
+                raise PipelineError(
+                    f"The datasource was saved with {key}={state[key]!r} and is now built with {key}={mine!r} "
+                    f"(`data_source.{key}`); resuming would break exactly-once prompt order: use the saved value."
+                )
         self._epoch = int(state["epoch"])
         self._position = int(state["position"])
         self._order = self._make_order(self._epoch)

@@ -113,6 +113,8 @@ class PipelineState:
         self.weight_version = 0
         self._consecutive_failed = 0
         self._error: Optional[BaseException] = None
+        # Called at each poll of the main thread's waits (fetch, pause); may raise to abandon them.
+        self.interrupt: Optional[Callable[[], None]] = None
         self._error_seen = False
         self._stats = _StepStats()
         self._wake_listeners: list[Callable[[], None]] = []
@@ -159,6 +161,12 @@ class PipelineState:
             self.cond.notify_all()
             self._fetch_cv.notify_all()
         self._wake_producer()
+
+    def check_interrupt(self) -> None:
+        """Run the main thread's interrupt check (``interrupt``, set by the driver: a preemption
+        that must abandon the step raises from here), at each poll of a main-thread wait."""
+        if self.interrupt is not None:
+            self.interrupt()
 
     def raise_if_error(self, unseen_only: bool = False) -> None:
         """Re-raise a background thread's error on the calling (main) thread.
@@ -389,6 +397,7 @@ class PipelineState:
         try:
             while len(self.buffer) < k:
                 self.raise_if_error()
+                self.check_interrupt()
                 if self.exhausted and self.R == 0 and self.in_flight == 0:
                     raise PipelineError(
                         f"The datasource is exhausted: {len(self.buffer)} groups are left in the PipelineBuffer "
@@ -452,6 +461,7 @@ class PipelineState:
         with self.cond:
             while self.in_flight > 0:
                 self.raise_if_error()
+                self.check_interrupt()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise PipelineError(

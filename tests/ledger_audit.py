@@ -1,0 +1,48 @@
+"""Shared by the real-process resume tests: the engines a trainer started, and the exactly-once
+audit of two runs' ledgers (a run stopped early, then its resume)."""
+
+from __future__ import annotations
+
+import os
+
+
+def children_of(pid: int) -> list[int]:
+    """Processes started with --parent-pid PID (engines, router supervisors), read from /proc."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"--parent-pid" in argv and argv[argv.index(b"--parent-pid") + 1] == str(pid).encode():
+            out.append(int(d))
+    return out
+
+
+def audit_resume(run1: list[dict], run2: list[dict], prompts_per_step: int, steps: int) -> int:
+    """Every prompt trained once over the two runs, none lost; returns the step run 2 resumed at.
+
+    The resumed run says which checkpoint it restored: everything run 1 consumed before that step
+    is in the checkpoint, everything from that step on was rolled back and must be replayed. (A
+    kill may land between writing the checkpoint and the ledger's "checkpoint" line, so the resume
+    line decides.)
+    """
+    assert run2[0]["kind"] == "resume"
+    resume_step = run2[0]["step"]
+    assert run2[0]["weight_version"] == resume_step
+    saved = {r["resume_step"] for r in run1 if r["kind"] == "checkpoint"}
+    assert resume_step in saved or resume_step == max(saved) + 1, (resume_step, saved)
+    committed = [r["prompt"] for r in run1 if r["kind"] == "consume" and r["step"] < resume_step]
+    rolled_back = [r["prompt"] for r in run1 if r["kind"] == "consume" and r["step"] >= resume_step]
+    replayed = [r["prompt"] for r in run2 if r["kind"] == "consume"]
+    # Up to the checkpoint: every step's B prompts, each once.
+    assert len(committed) == resume_step * prompts_per_step == len(set(committed))
+    # After it: the resumed run trains the remaining steps; nothing twice, nothing lost.
+    everything = committed + replayed
+    assert len(everything) == steps * prompts_per_step
+    assert len(set(everything)) == len(everything), "a prompt was trained twice"
+    assert set(rolled_back) <= set(replayed), "prompts consumed after the checkpoint were lost"
+    assert sorted({r["step"] for r in run2 if r["kind"] == "consume"}) == list(range(resume_step, steps))
+    return resume_step
