@@ -88,7 +88,7 @@ def check_fields(url: str) -> dict[str, Any]:
     sampling_ok = status == 200
     # Non-default values of fields the engine cannot honour are refused, naming the field.
     named = {}
-    for name, value in (("regex", "a+"), ("frequency_penalty", 0.5), ("logit_bias", {"5": 1.0})):
+    for name, value in (("regex", "a+"), ("json_schema", "{}"), ("beam_width", 4)):
         status, body = post(url + "/generate", {**base, "sampling_params": {**base["sampling_params"], name: value}})
         named[name] = status == 400 and name in str(body)
     return {"generate_fields": sorted(fields), "refused": refused, "sampling_fields": list(SamplingParams.__struct_fields__),

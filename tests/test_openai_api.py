@@ -286,8 +286,9 @@ def test_requests_the_engine_cannot_honour_get_400(policy):
     async def body(client, session, url):
         chat, hi = {"model": "tiny", "messages": USER}, {"model": "tiny", "prompt": "Hi"}
         for create, kwargs, message in [
-            (client.completions.create, {**hi, "frequency_penalty": 0.5}, "`request.frequency_penalty`=0.5"),
-            (client.chat.completions.create, {**chat, "frequency_penalty": 0.5}, "`request.frequency_penalty`=0.5"),
+            (client.completions.create, {**hi, "extra_body": {"regex": "a+"}}, "`request.regex`='a+' is not supported"),
+            (client.chat.completions.create, {**chat, "frequency_penalty": 2.5},
+             "`request.frequency_penalty` must be in [-2, 2]"),
             (client.chat.completions.create, {**chat, "response_format": {"type": "json_object"}}, "`response_format`"),
             (client.completions.create, {**hi, "suffix": "end"}, "`suffix`='end' is not supported"),
             (client.chat.completions.create, {**chat, "extra_body": {"lora_path": "a"}}, "`lora_path`='a'"),

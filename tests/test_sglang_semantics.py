@@ -244,6 +244,39 @@ def test_stop_strings_regex_trim_min_new_tokens_and_min_p(policy):
     serve(policy, body)
 
 
+def test_penalties_and_logit_bias_change_the_distribution_as_sglangs_penalizers(policy):
+    model, tok = policy
+    prompt = tok("penalise me", add_special_tokens=False)["input_ids"]
+    freq, pres, rep, bias = 0.7, 0.4, 1.6, {7: 2.5, 11: -1.0}
+
+    async def body(s, url, engine):
+        status, plain = await post(s, url + "/generate", {"input_ids": prompt, "sampling_params": greedy(24)})
+        status, out = await post(s, url + "/generate", {
+            "input_ids": prompt, "return_logprob": True, "sampling_params": greedy(
+                24, frequency_penalty=freq, presence_penalty=pres, repetition_penalty=rep,
+                logit_bias={str(k): v for k, v in bias.items()})})
+        assert status == 200, out
+        assert out["output_ids"] != plain["output_ids"]
+        # Reference: the HF logits, the penalties over the output so far, then the bias; greedy
+        # picks their argmax and the reported log-prob is their log_softmax (as SGLang's sampler).
+        ids = list(prompt)
+        for j, token in enumerate(out["output_ids"]):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out["output_ids"][:j], dtype=torch.long), minlength=logits.shape[0]).float()
+            seen = counts > 0
+            logits = torch.where(seen, torch.where(logits < 0, logits * rep, logits / rep), logits)
+            logits = logits - freq * counts - pres * seen.float()
+            for k, v in bias.items():
+                logits[k] += v
+            assert token == int(logits.argmax()), j
+            assert out["meta_info"]["output_token_logprobs"][j][0] == pytest.approx(
+                torch.log_softmax(logits, -1)[token].item(), abs=1e-4)
+            ids.append(token)
+
+    serve(policy, body)
+
+
 # ----------------------------------------------------------------------------- aborts and versions
 
 

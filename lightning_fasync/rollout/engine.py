@@ -62,6 +62,11 @@ class EngineRequest:
     sampling_seed: Optional[int] = None
     min_p: float = 0.0
     min_new_tokens: int = 0
+    # SGLang's penalties over the output tokens so far, and OpenAI/SGLang's additive logit bias.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
     # Input-token log-probs from this prompt position on (-1: none), as SGLang's logprob_start_len.
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
@@ -111,10 +116,15 @@ class EngineRequest:
         return spans
 
     @property
+    def adjusts_logits(self) -> bool:
+        """True when penalties or a logit bias change this request's logits before sampling."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
+
+    @property
     def needs_extras(self) -> bool:
         """True when a decode step must do more for this request than sample one token."""
         return bool(self.top_logprobs_num or self.token_ids_logprob or self.on_token or self.stop_check
-                    or self.min_new_tokens)
+                    or self.min_new_tokens or self.adjusts_logits)
 
 
 class Engine:
@@ -216,6 +226,14 @@ class Engine:
             raise ValueError(f"top_k must be -1 (disable) or at least 1, got {req.top_k}.")
         if not 0 <= req.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {req.min_p}.")
+        for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0)):
+            if not lo <= getattr(req, name) <= hi:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(req, name)}.")
+        if not 0.0 < req.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {req.repetition_penalty}.")
+        bad = [t for t in (req.logit_bias or {}) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias must has keys in [0, {self.vocab_size - 1}], got {bad[0]}.")
         if not 0 <= req.min_new_tokens <= req.max_new_tokens:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({req.max_new_tokens})], got {req.min_new_tokens}.")
         if req.logprob_start_len > n_in:
@@ -545,6 +563,8 @@ class Engine:
 
     def _append_tokens(self, batch: list[EngineRequest], logits: torch.Tensor, params: tuple) -> None:
         extras = params[6]
+        if extras and any(r.adjusts_logits for r in extras):
+            logits = self._adjust_logits(batch, logits)
         banned = None
         if extras and any(r.min_new_tokens for r in extras):
             banned = [sorted(r._stop_ids) if len(r.output_ids) < r.min_new_tokens else None for r in batch]
@@ -568,6 +588,30 @@ class Engine:
                     self._finish(req, {"type": "stop", "matched": matched})
             if req.on_token is not None and req.finish_reason is None:
                 req.on_token(req)
+
+    @staticmethod
+    def _adjust_logits(batch: list[EngineRequest], logits: torch.Tensor) -> torch.Tensor:
+        """Penalties over each request's output tokens so far, then its logit bias (SGLang's penalizers:
+        frequency and presence subtract ``penalty x count`` and ``penalty x [count > 0]``; repetition
+        divides positive and multiplies negative logits of the tokens seen). Sampling and the reported
+        log-probs both see the adjusted logits, as in SGLang."""
+        logits = logits.clone()
+        for i, req in enumerate(batch):
+            if not req.adjusts_logits:
+                continue
+            row = logits[i]
+            if req.output_ids and (req.frequency_penalty or req.presence_penalty or req.repetition_penalty != 1.0):
+                ids = torch.tensor(req.output_ids, device=row.device)
+                counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
+                seen = counts > 0
+                if req.repetition_penalty != 1.0:
+                    rp = req.repetition_penalty
+                    row.copy_(torch.where(seen, torch.where(row < 0, row * rp, row / rp), row))
+                row.sub_(req.frequency_penalty * counts + req.presence_penalty * seen.to(row.dtype))
+            if req.logit_bias:
+                keys = torch.tensor(list(req.logit_bias), device=row.device)
+                row.index_add_(0, keys, torch.tensor(list(req.logit_bias.values()), dtype=row.dtype, device=row.device))
+        return logits
 
     def _token_extras(self, batch: list[EngineRequest], logits: torch.Tensor, extras: list[EngineRequest],
                       banned: Optional[list]) -> None:

@@ -7,8 +7,8 @@ native ``/generate`` call would make (``protocol.parse_sampling`` validates the 
 runs through the server's ``_Submitted``, and its response is built from SGLang's native output of
 each item (``protocol.item_response``), with the weight-version ``metadata`` SGLang attaches.
 
-Field policy: a field the engine implements is honoured; a field it cannot honour (penalties,
-grammars and ``response_format``, LoRA, multimodal input, hidden states, tool-call parsing) is
+Field policy: a field the engine implements is honoured; a field it cannot honour (grammars and
+``response_format``, LoRA, multimodal input, hidden states, tool-call parsing) is
 refused with a 400 naming it only when it asks for something (a non-default value); any other
 field name is ignored, as SGLang's pydantic models ignore what they do not define (the official
 client passes new OpenAI fields through). Errors have OpenAI's shape
@@ -44,15 +44,14 @@ DEFAULT_MODEL_NAME = "default"  # SGLang's ``model`` when a request names none
 _WHERE = "request"  # parse_sampling's name for the request in its messages (`request.top_p` ...)
 
 # Request fields whose SGLang sampling_params name is the same: parse_sampling validates them and
-# refuses the unsupported ones (penalties, grammars, logit_bias, watermark) when they are set.
+# refuses the unsupported ones (grammars, watermark) when they are set.
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "stop_regex", "no_stop_trim",
     "ignore_eos", "skip_special_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty",
     "regex", "ebnf", "logit_bias", "custom_params", "watermark",
 )
 # Chat fields that default to the model's generation_config (SGLang's ``--sampling-defaults model``).
-# Its repetition_penalty is not taken: the engine has no penalties.
-_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+_MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 # SGLang fields the engine does not implement: accepted at the default given, refused otherwise.
 _UNSUPPORTED: dict[str, Any] = {

@@ -65,15 +65,14 @@ GENERATE_FIELDS = _GENERATE_IMPLEMENTED | _GENERATE_METADATA | _GENERATE_DP_RANK
 _SAMPLING_IMPLEMENTED = {
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
     "min_new_tokens", "n", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "stream_interval", "sampling_seed",
+    "stream_interval", "sampling_seed", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
     "custom_params",  # read only by custom logit processors, which are refused above
     # SGLang's derived fields, present when a client serialises a normalised SamplingParams:
     # stop_strs / stop_regex_strs join the stop lists; the rest is recomputed here.
     "stop_strs", "stop_regex_strs", "stop_str_max_len", "stop_regex_max_len", "is_normalized",
 }
 _SAMPLING_UNSUPPORTED: dict[str, Any] = {
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "beam_width": None,
-    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None,
+    "beam_width": None, "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None,
     "watermark": None, "ebnf_full_assistant": False,
 }
 SAMPLING_FIELDS = _SAMPLING_IMPLEMENTED | set(_SAMPLING_UNSUPPORTED)
@@ -203,7 +202,16 @@ def parse_sampling(sp: Any, where: str = "sampling_params") -> tuple[dict[str, A
         "ignore_eos": opt(sp, "ignore_eos", bool, False, p),
         "sampling_seed": opt(sp, "sampling_seed", int, None, p),
         "stop_token_ids": tuple(_token_list(p + "stop_token_ids", sp.get("stop_token_ids") or [])),
+        "frequency_penalty": opt(sp, "frequency_penalty", float, 0.0, p),
+        "presence_penalty": opt(sp, "presence_penalty", float, 0.0, p),
+        "repetition_penalty": opt(sp, "repetition_penalty", float, 1.0, p),
+        "logit_bias": _logit_bias(p + "logit_bias", sp.get("logit_bias")),
     }
+    for name in ("frequency_penalty", "presence_penalty"):
+        if not -2.0 <= out[name] <= 2.0:
+            raise BadRequest(f"`{p}{name}` must be in [-2, 2], got {out[name]}.")
+    if not 0.0 < out["repetition_penalty"] <= 2.0:
+        raise BadRequest(f"`{p}repetition_penalty` must be in (0, 2] (1.0 = no penalty), got {out['repetition_penalty']}.")
     if out["max_new_tokens"] is not None and out["max_new_tokens"] < 0:
         raise BadRequest(f"`{p}max_new_tokens` must be at least 0, got {out['max_new_tokens']}.")
     if out["temperature"] < 0 or out["temperature"] != out["temperature"]:
@@ -240,6 +248,24 @@ def parse_sampling(sp: Any, where: str = "sampling_params") -> tuple[dict[str, A
         "stream_interval": stream_interval,
     }
     return out, text
+
+
+def _logit_bias(name: str, value: Any) -> Optional[dict[int, float]]:
+    """SGLang's ``logit_bias``: an object from token id (a string, as JSON keys are) to an added logit."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest(f"`{name}` must be an object mapping token ids to numbers.")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise BadRequest(f"`{name}` has the key {key!r}, which is not a token id.") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise BadRequest(f"`{name}[{key}]` must be a number, got {bias!r:.30}.")
+        out[token] = float(bias)
+    return out
 
 
 def _merged(a: list[str], b: list[str]) -> list[str]:
