@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 
 import aiohttp
 import pytest
@@ -316,6 +317,54 @@ def test_abort_prefix_message_and_update_weight_version_defaults(policy):
     serve(policy, body, context_length=512)
 
 
+def test_queued_requests_abort_with_what_they_had_and_the_bracket_flag(policy):
+    model, tok = policy
+
+    async def body(s, url, engine):
+        # One slot: the second request waits in the queue; aborting it returns no tokens.
+        first = asyncio.ensure_future(post(s, url + "/generate", {"text": "a", "rid": "run", "sampling_params": greedy(400)}))
+        await wait_tokens(engine, "run", 1)
+        queued = asyncio.ensure_future(post(s, url + "/generate", {"text": "b", "rid": "wait", "sampling_params": greedy(4)}))
+        while engine.loads()["num_waiting_reqs"] < 1:
+            await asyncio.sleep(0.002)
+        await post(s, url + "/abort_request", {"rid": "wait"})
+        status, out = await queued
+        assert status == 200 and out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "abort"
+        await post(s, url + "/abort_request", {"abort_all": True})
+        assert (await first)[1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+    serve(policy, body, max_running_requests=1, context_length=512)
+
+    # --require-weight-update-session false: tensor updates outside the bracket are accepted (0.5.15).
+    from safetensors.torch import save_file
+
+    async def outside(s, url, engine):
+        path = f"/tmp/fasync-test-outside-{id(engine)}.safetensors"
+        save_file({"lm_head.weight": model.lm_head.weight.detach().clone()}, path)
+        try:
+            status, out = await post(s, url + "/update_weights_from_tensor", {"safetensors_path": path, "weight_version": "2"})
+        finally:
+            os.unlink(path)
+        assert status == 200 and out["success"] and engine.weight_version == "2"
+
+    model_copy = copy.deepcopy(model)
+    engine = Engine(model_copy, max_running_requests=2)
+
+    async def main():
+        server = TestServer(build_app(engine, tok, "tiny", require_weight_update_session=False), host="127.0.0.1")
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession() as session:
+                await outside(session, str(server.make_url("")).rstrip("/"), engine)
+        finally:
+            await server.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        engine.stop()
+
+
 def test_pause_retract_reprefills_under_new_weights_and_flush_rules(policy):
     model, tok = policy
     prompt = tok("retract", add_special_tokens=False)["input_ids"]
@@ -341,7 +390,10 @@ def test_pause_retract_reprefills_under_new_weights_and_flush_rules(policy):
         path = f"/tmp/fasync-test-{id(engine)}.safetensors"
         save_file({"lm_head.weight": new_model.lm_head.weight.detach().clone()}, path)
         assert (await post(s, url + "/begin_weight_update", {}))[1]["success"]
-        status, out = await post(s, url + "/update_weights_from_tensor", {"safetensors_path": path, "weight_version": "1"})
+        try:
+            status, out = await post(s, url + "/update_weights_from_tensor", {"safetensors_path": path, "weight_version": "1"})
+        finally:
+            os.unlink(path)
         assert status == 200, out
         assert (await post(s, url + "/end_weight_update", {}))[1]["success"]
         assert (await post(s, url + "/continue_generation", {}))[1]["status"] == "ok"
