@@ -73,3 +73,35 @@ def test_weight_version_spans_match_sglangs_builder(server):
 def test_openai_responses_parse_with_sglangs_models(server):
     out = drive(server, "openai_models")
     assert out == {"chat_status": 200, "completion_status": 200, "sglang_chat_request_status": 200}
+
+
+@pytest.fixture(scope="module")
+def routed():
+    from lightning_fasync.rollout.pool import RolloutPool
+
+    with RolloutPool("tiny", num_replicas=2, max_running_requests=8) as pool:
+        yield pool
+
+
+def test_sglang_frontend_and_openai_client_through_the_real_router(routed):
+    """The same clients against two replicas behind sglang-router, which re-serialises requests.
+
+    (The router itself refuses two things SGLang's own clients send, whatever the worker: batched
+    ``text`` in ``/generate`` -- "invalid type: sequence, expected a string" -- which the frontend's
+    ``select`` uses, and ``min_tokens: 0`` in a chat request serialised by SGLang's
+    ``ChatCompletionRequest`` -- "min_tokens: Validation error: range". Those two are checked
+    against the worker directly above.)
+    """
+    out = drive(routed.url, "frontend_no_select")
+    assert out["answer"] and out["stream"] == out["answer"] and len(out["batch"]) == 3
+    checked = drive(routed.url, "openai_models")
+    assert (checked["chat_status"], checked["completion_status"]) == (200, 200)
+    import openai
+
+    client = openai.OpenAI(base_url=routed.url + "/v1", api_key="unused")
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                           temperature=0)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content

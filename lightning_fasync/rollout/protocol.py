@@ -443,7 +443,7 @@ def output_text(req: EngineRequest, item: GenItem, tokenizer: Any, ids: Optional
     text = tokenizer.decode(ids, **kwargs)
     if isinstance(matched, str) and not item.no_stop_trim:
         if matched in item.stop_strs:
-            cut = text.find(matched)
+            cut = text.rfind(matched)  # the occurrence that ended it (an earlier one may precede min_new_tokens)
         else:
             hit = re.search(matched, text)
             cut = hit.start() if hit else -1
