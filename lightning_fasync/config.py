@@ -161,6 +161,9 @@ class RolloutConfig:
     """``module:function`` called on each complete group by the collector; False drops it."""
     max_consecutive_failed_groups: int = 16
     """Fail the run after this many consecutive groups with a failed trajectory (engine down)."""
+    request_timeout: float = 600.0
+    """Seconds one generate call may take, step-boundary pauses included; past it the request fails
+    (a hung engine) and its trajectory follows the group policy like any engine error."""
 
 
 @dataclass
@@ -567,6 +570,8 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
         raise ConfigError(
             f"`trainer.save_keep_last` is {cfg.trainer.save_keep_last}; it must be >= 1 (null keeps every checkpoint)."
         )
+    if not cfg.rollout.request_timeout > 0:
+        raise ConfigError(f"`rollout.request_timeout` is {cfg.rollout.request_timeout}; it must be > 0 seconds.")
     if not cfg.trainer.preempt_grace_s > 0:
         raise ConfigError(f"`trainer.preempt_grace_s` is {cfg.trainer.preempt_grace_s}; it must be > 0 seconds.")
     B, N, M = cfg.B, cfg.N, cfg.M

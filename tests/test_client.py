@@ -213,3 +213,34 @@ def test_single_replica_pool_is_used_directly_and_unreachable_engine_fails_clean
             await client.close()
 
     asyncio.run(dead())
+
+
+@pytest.mark.slow
+def test_a_hung_engine_fails_the_request_after_request_timeout_not_never():
+    import os
+    import signal
+    import time
+
+    from lightning_fasync.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError, match="`rollout.request_timeout` is 0"):
+        validate(load_config({"rollout": {"request_timeout": 0}}))
+    with RolloutPool("tiny", num_replicas=1) as single:
+        pid = single.servers[0].pid
+
+        async def body(_):
+            client = single.client(generate_timeout_s=2.0)
+            try:
+                assert len((await client.generate(greedy("before", [5, 6], 3))).output_ids) == 3
+                os.kill(pid, signal.SIGSTOP)  # hung: the process lives, nothing answers
+                t0 = time.monotonic()
+                with pytest.raises(EngineError, match=r"did not answer within 2 s \(`rollout.request_timeout`\)"):
+                    await client.generate(greedy("hung", [5, 6], 3))
+                assert time.monotonic() - t0 < 8  # one attempt, not retried into the minutes
+                os.kill(pid, signal.SIGCONT)
+                assert len((await client.generate(greedy("after", [5, 6], 3))).output_ids) == 3
+            finally:
+                os.kill(pid, signal.SIGCONT)
+                await client.close()
+
+        run(body, single)

@@ -117,7 +117,8 @@ class RolloutRuntime:
                 pin_trainer(plan.trainer_cores)
             self._admin_client: Callable[[], Any] = (lambda: client) if client is not None else self.pool.client
             if client is None:
-                client = self.pool.client(max_connections=cfg.agentflow.router.max_connections)
+                client = self.pool.client(max_connections=cfg.agentflow.router.max_connections,
+                                          generate_timeout_s=cfg.rollout.request_timeout)
             if flow is None:
                 stop = cfg.rollout.stop_token_ids
                 sampling = SamplingParams(

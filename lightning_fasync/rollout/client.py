@@ -101,7 +101,8 @@ class SGLangClient(EngineClient):
         max_connections: Concurrent HTTP connections.
         retries: Retries of a call after connection errors (and 502/503/504).
         retry_backoff_s: First retry delay; doubles each time.
-        generate_timeout_s: Deadline of one ``/generate`` (pauses included).
+        generate_timeout_s: Deadline of one ``/generate``, pauses included (``rollout.request_timeout``);
+            past it the request fails with an ``EngineError`` and is not retried.
         admin_timeout_s: Deadline of one admin call.
     """
 
@@ -137,10 +138,12 @@ class SGLangClient(EngineClient):
         return self._session
 
     async def _request(self, method: str, url: str, body: Optional[dict] = None, timeout: Optional[float] = None,
-                       missing_ok: bool = False) -> Any:
+                       missing_ok: bool = False, timeout_key: Optional[str] = None) -> Any:
         """One call with retries on connection errors; returns the parsed JSON (or text).
 
         ``missing_ok``: a 404 (an endpoint this server version lacks) returns None instead of raising.
+        ``timeout_key``: a call that runs past ``timeout`` is not retried (a hung engine would hang
+        every retry too) but fails at once, naming this config key.
         """
         session = await self._http()
         client_timeout = aiohttp.ClientTimeout(total=timeout or self.admin_timeout_s, sock_connect=10)
@@ -161,7 +164,14 @@ class SGLangClient(EngineClient):
                     if resp.content_type == "application/json":
                         return await resp.json()
                     return text
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            except asyncio.TimeoutError as exc:
+                if timeout_key is not None:
+                    raise EngineError(
+                        f"{method} {url} did not answer within {client_timeout.total:g} s (`{timeout_key}`); "
+                        "the engine is hung or overloaded."
+                    ) from exc
+                last = exc
+            except aiohttp.ClientConnectionError as exc:
                 last = exc
         raise EngineError(f"{method} {url} failed after {self.retries + 1} attempts: {last!r}") from last
 
@@ -192,7 +202,8 @@ class SGLangClient(EngineClient):
             "sampling_params": request.sampling_params.to_dict(),
             "return_logprob": True,
         }
-        data = await self._request("POST", self.generate_url + "/generate", body, timeout=self.generate_timeout_s)
+        data = await self._request("POST", self.generate_url + "/generate", body, timeout=self.generate_timeout_s,
+                                   timeout_key="rollout.request_timeout")
         if not isinstance(data, dict):
             raise EngineError(f"Request {request.rid}: /generate returned non-JSON: {str(data)[:300]}")
         return parse_generate_response(request.rid, data)
