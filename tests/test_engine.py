@@ -346,3 +346,16 @@ def test_other_architectures_match_hf_forward(family):
             assert max(abs(a - b) for a, b in zip(ref, req.output_logprobs)) <= 1e-4
     finally:
         eng.stop()
+
+
+def test_a_kv_cache_that_cannot_fit_is_refused_with_the_numbers(policy, monkeypatch):
+    from lightning_fasync.rollout import model_runner
+
+    model, _ = policy
+    monkeypatch.setattr(model_runner, "_available_bytes", lambda device: 100 * 2**20)  # 100 MiB free
+    # tiny: 3 layers x 1 kv head x 24 dims x fp32 x (K, V) = 576 bytes per slot and token.
+    with pytest.raises(model_runner.KVCacheTooLargeError,
+                       match=r"needs 0\.1 GiB \(64 slots \(--max-running-requests\) x 4096 tokens \(--context-length\).*"
+                             r"0\.1 GiB free; lower --max-running-requests or --context-length"):
+        Engine(model, max_running_requests=64, context_length=4096)
+    Engine(model, max_running_requests=8, context_length=512).stop()  # 2.4 MB fits

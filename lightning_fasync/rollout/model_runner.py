@@ -44,6 +44,43 @@ def _linear_residual(x: torch.Tensor, a: torch.Tensor, linear: Any) -> torch.Ten
     return torch.addmm(x.reshape(-1, shape[-1]), a.reshape(-1, a.shape[-1]), linear.weight.t()).view(shape)
 
 
+class KVCacheTooLargeError(ValueError):
+    """The preallocated KV cache would not fit in the device's free memory."""
+
+
+def _available_bytes(device: torch.device) -> Optional[int]:
+    """Free memory on ``device``: CUDA's free bytes, or the host's MemAvailable; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_kv_cache_fits(shape: tuple[int, int, int, int], layers: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, with the numbers, a KV cache (K and V per layer, ``shape`` each) larger than 90 % of
+    the free memory, instead of letting the kernel kill the server minutes later.
+
+    Raises:
+        KVCacheTooLargeError: naming ``--max-running-requests`` and ``--context-length``.
+    """
+    slots, kv_heads, context, head_dim = shape
+    need = 2 * layers * slots * kv_heads * context * head_dim * torch.empty((), dtype=dtype).element_size()
+    free = _available_bytes(device)
+    if free is not None and need > 0.9 * free:
+        raise KVCacheTooLargeError(
+            f"The KV cache needs {need / 2**30:.1f} GiB ({slots} slots (--max-running-requests) x {context} tokens "
+            f"(--context-length) x {layers} layers x 2 (K, V) x {kv_heads} kv heads x {head_dim} x "
+            f"{str(dtype).replace('torch.', '')}), but {device.type} has {free / 2**30:.1f} GiB free; lower "
+            "--max-running-requests or --context-length."
+        )
+
+
 class ModelRunner:
     """Runs batched prefill and batched decode for one model over a slot KV cache.
 
@@ -87,6 +124,7 @@ class ModelRunner:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         shape = (max_slots, self.num_kv_heads, context_length, self.head_dim)
+        check_kv_cache_fits(shape, len(self.layers), self.dtype, self.device)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self._arange = torch.arange(context_length, device=self.device)

@@ -667,9 +667,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     model, tokenizer = build_policy(args.model, dtype=getattr(torch, args.dtype))
     model.to(args.device)
-    engine = Engine(model, max_running_requests=args.max_running_requests, context_length=args.context_length,
-                    weight_version=args.weight_version, allow_auto_truncate=args.allow_auto_truncate,
-                    return_original_logprob=args.return_original_logprob)
+    from lightning_fasync.rollout.model_runner import KVCacheTooLargeError, UnsupportedModelError
+
+    try:
+        engine = Engine(model, max_running_requests=args.max_running_requests, context_length=args.context_length,
+                        weight_version=args.weight_version, allow_auto_truncate=args.allow_auto_truncate,
+                        return_original_logprob=args.return_original_logprob)
+    except (KVCacheTooLargeError, UnsupportedModelError) as exc:  # a configuration to fix, not a crash
+        print(f"lightning-fasync serve: {exc}", file=sys.stderr)
+        return 2
     app = build_app(engine, tokenizer, args.model, args.api_key, served_model_name=args.served_model_name,
                     require_weight_update_session=args.require_weight_update_session)
     app[STATE_KEY].update(host=args.host, port=args.port)
