@@ -11,6 +11,7 @@ import asyncio
 import copy
 import json
 import os
+import tempfile
 
 import aiohttp
 import pytest
@@ -339,7 +340,7 @@ def test_queued_requests_abort_with_what_they_had_and_the_bracket_flag(policy):
     from safetensors.torch import save_file
 
     async def outside(s, url, engine):
-        path = f"/tmp/fasync-test-outside-{id(engine)}.safetensors"
+        path = os.path.join(tempfile.gettempdir(), f"fasync-test-outside-{id(engine)}.safetensors")
         save_file({"lm_head.weight": model.lm_head.weight.detach().clone()}, path)
         try:
             status, out = await post(s, url + "/update_weights_from_tensor", {"safetensors_path": path, "weight_version": "2"})
@@ -387,7 +388,7 @@ def test_pause_retract_reprefills_under_new_weights_and_flush_rules(policy):
         # New weights (inside SGLang 0.5.23's bracket), then continue: the request is prefilled again.
         from safetensors.torch import save_file
 
-        path = f"/tmp/fasync-test-{id(engine)}.safetensors"
+        path = os.path.join(tempfile.gettempdir(), f"fasync-test-{id(engine)}.safetensors")
         save_file({"lm_head.weight": new_model.lm_head.weight.detach().clone()}, path)
         assert (await post(s, url + "/begin_weight_update", {}))[1]["success"]
         try:
