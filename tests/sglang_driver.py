@@ -1,4 +1,4 @@
-"""Drive a server with SGLang's own code: ``python tests/sglang_driver.py URL CHECK``.
+"""Drive a server with SGLang's own code: ``python tests/sglang_driver.py URL CHECK [CHECK ...]``.
 
 Run as a separate process by ``tests/test_sglang_compat.py`` (it installs stand-ins for Triton,
 which must not leak into the test process). Prints one JSON object with what each check saw.
@@ -165,6 +165,7 @@ CHECKS = {"fields": check_fields, "frontend": check_frontend,
 
 
 if __name__ == "__main__":
-    url, check = sys.argv[1].rstrip("/"), sys.argv[2]
+    # python tests/sglang_driver.py URL CHECK [CHECK ...]: one process (one sglang import) for all.
+    url, checks = sys.argv[1].rstrip("/"), sys.argv[2:]
     install_sglang_triton_stubs()
-    print(json.dumps(CHECKS[check](url), default=str))
+    print(json.dumps({check: CHECKS[check](url) for check in checks}, default=str))

@@ -31,24 +31,29 @@ if importlib.util.find_spec("sglang") is None:
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server():
-    handle = launch_server("tiny", max_running_requests=8, timeout=120)
-    try:
-        yield handle.url
-    finally:
-        handle.stop()
+DIRECT_CHECKS = ("fields", "frontend", "weight_versions", "openai_models")
 
 
-def drive(url: str, check: str) -> dict:
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "sglang_driver.py"), url, check],
+def drive(url: str, *checks: str) -> dict:
+    """Run the driver's checks against ``url`` in one child process; their results by name."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sglang_driver.py"), url, *checks],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def server():
+    """A server process, and what SGLang's code saw of it (one driver run for every check)."""
+    handle = launch_server("tiny", max_running_requests=8, timeout=120)
+    try:
+        yield drive(handle.url, *DIRECT_CHECKS)
+    finally:
+        handle.stop()
+
+
 def test_every_sglang_request_field_is_accepted(server):
-    out = drive(server, "fields")
+    out = server["fields"]
     assert len(out["generate_fields"]) >= 60 and "sampling_params" in out["generate_fields"]
     assert out["refused"] == {}  # every GenerateReqInput field, null and at its default
     assert out["sampling_ok"], out["sampling_out"]  # SGLang's SamplingParams with all its fields
@@ -57,7 +62,7 @@ def test_every_sglang_request_field_is_accepted(server):
 
 
 def test_sglang_frontend_runs_against_the_engine(server):
-    out = drive(server, "frontend")
+    out = server["frontend"]
     assert out["answer"] and out["meta"]["completion_tokens"] >= 1
     assert out["meta"]["finish_reason"]["type"] in ("length", "stop")
     assert out["batch"][2] == out["answer"]  # greedy: the same question gives the same answer
@@ -66,12 +71,12 @@ def test_sglang_frontend_runs_against_the_engine(server):
 
 
 def test_weight_version_spans_match_sglangs_builder(server):
-    out = drive(server, "weight_versions")
+    out = server["weight_versions"]
     assert out["ours"] == out["theirs"]
 
 
 def test_openai_responses_parse_with_sglangs_models(server):
-    out = drive(server, "openai_models")
+    out = server["openai_models"]
     assert out == {"chat_status": 200, "completion_status": 200, "sglang_chat_request_status": 200}
 
 
@@ -92,9 +97,9 @@ def test_sglang_frontend_and_openai_client_through_the_real_router(routed):
     ``ChatCompletionRequest`` -- "min_tokens: Validation error: range". Those two are checked
     against the worker directly above.)
     """
-    out = drive(routed.url, "frontend_no_select")
+    seen = drive(routed.url, "frontend_no_select", "openai_models")
+    out, checked = seen["frontend_no_select"], seen["openai_models"]
     assert out["answer"] and out["stream"] == out["answer"] and len(out["batch"]) == 3
-    checked = drive(routed.url, "openai_models")
     assert (checked["chat_status"], checked["completion_status"]) == (200, 200)
     import openai
 
