@@ -203,22 +203,12 @@ def _token_ids(name: str, value: Any) -> list[int]:
 def _items(prompts: list[list[int]], rids: list[str], sampling: tuple[dict, dict], return_logprob: bool,
            top_logprobs: int, logprob_start_len: int, return_prompt_token_ids: bool) -> list[protocol.GenItem]:
     """The engine items: ``n`` samples of each prompt, rids ``<rid>_<k>`` when ``n > 1``."""
-    engine_kwargs, text = sampling
-    n = text["n"]
-    logprob_kwargs = {"logprob_start_len": logprob_start_len if return_logprob else -1,
-                      "top_logprobs_num": top_logprobs if return_logprob else 0, "token_ids_logprob": None}
+    logprob = {"logprob_start_len": logprob_start_len if return_logprob else -1,
+               "top_logprobs_num": top_logprobs if return_logprob else 0, "token_ids_logprob": None}
     items: list[protocol.GenItem] = []
     for prompt, rid in zip(prompts, rids):
-        for k in range(n):
-            items.append(protocol.GenItem(
-                index=len(items), rid=rid if n == 1 else f"{rid}_{k}", input_ids=prompt,
-                sampling={**engine_kwargs, **logprob_kwargs}, stop_strs=text["stop_strs"],
-                stop_regex=text["stop_regex"], no_stop_trim=text["no_stop_trim"],
-                skip_special_tokens=text["skip_special_tokens"],
-                spaces_between_special_tokens=text["spaces_between_special_tokens"],
-                stream_interval=text["stream_interval"], return_logprob=return_logprob,
-                return_text_in_logprobs=True, return_prompt_token_ids=return_prompt_token_ids,
-            ))
+        items += protocol.prompt_items(len(items), rid, prompt, sampling, logprob, return_logprob, True,
+                                       return_prompt_token_ids)
     return items
 
 

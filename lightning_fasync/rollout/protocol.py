@@ -356,7 +356,6 @@ def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
 
     items: list[GenItem] = []
     for b in range(batch):
-        engine_kw, text_opts = parsed_sp[b]
         if not return_logprob[b]:
             start, top, tids = -1, 0, None  # SGLang ignores them without return_logprob
         else:
@@ -368,23 +367,32 @@ def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
                     f"logprob_start_len={start} is higher than the number of input tokens {len(prompts[b])}. "
                     "Please use a smaller logprob_start_len."
                 )
-        for k in range(n):
-            items.append(GenItem(
-                index=len(items),
-                rid=rids[b] if n == 1 else f"{rids[b]}_{k}",
-                input_ids=prompts[b],
-                sampling={**engine_kw, "logprob_start_len": start, "top_logprobs_num": top, "token_ids_logprob": tids},
-                stop_strs=text_opts["stop_strs"],
-                stop_regex=text_opts["stop_regex"],
-                no_stop_trim=text_opts["no_stop_trim"],
-                skip_special_tokens=text_opts["skip_special_tokens"],
-                spaces_between_special_tokens=text_opts["spaces_between_special_tokens"],
-                stream_interval=text_opts["stream_interval"],
-                return_logprob=return_logprob[b],
-                return_text_in_logprobs=return_text,
-                return_prompt_token_ids=opt(body, "return_prompt_token_ids", bool, False),
-            ))
+        items += prompt_items(
+            len(items), rids[b], prompts[b], parsed_sp[b],
+            {"logprob_start_len": start, "top_logprobs_num": top, "token_ids_logprob": tids},
+            return_logprob[b], return_text, opt(body, "return_prompt_token_ids", bool, False),
+        )
     return ParsedGenerate(items=items, is_single=is_single and n == 1, stream=opt(body, "stream", bool, False))
+
+
+def prompt_items(start: int, rid: str, input_ids: list[int], sampling: tuple[dict[str, Any], dict[str, Any]],
+                 logprob: dict[str, Any], return_logprob: bool, return_text_in_logprobs: bool,
+                 return_prompt_token_ids: bool) -> list[GenItem]:
+    """The ``n`` items of one prompt (``sampling`` is :func:`parse_sampling`'s pair; ``n`` is in it):
+    indices from ``start``, rids ``<rid>_<k>`` when ``n > 1`` (so a prefix abort reaches them all)."""
+    engine_kw, text = sampling
+    n = text["n"]
+    return [
+        GenItem(
+            index=start + k, rid=rid if n == 1 else f"{rid}_{k}", input_ids=input_ids,
+            sampling={**engine_kw, **logprob}, stop_strs=text["stop_strs"], stop_regex=text["stop_regex"],
+            no_stop_trim=text["no_stop_trim"], skip_special_tokens=text["skip_special_tokens"],
+            spaces_between_special_tokens=text["spaces_between_special_tokens"],
+            stream_interval=text["stream_interval"], return_logprob=return_logprob,
+            return_text_in_logprobs=return_text_in_logprobs, return_prompt_token_ids=return_prompt_token_ids,
+        )
+        for k in range(n)
+    ]
 
 
 # ---------------------------------------------------------------------------- engine requests
