@@ -130,6 +130,22 @@ class SGLangArgs:
 
 
 @dataclass
+class EngineRestartConfig:
+    """``rollout.engine_restart.*``: what happens when an engine replica dies, hangs or its router dies."""
+
+    max_attempts: int = 3
+    """Restart attempts per lost replica (and for a dead router); 0: a lost replica stays out."""
+    backoff_s: float = 2.0
+    """Delay before the second attempt; doubles after each failed one."""
+    timeout_s: float = 300.0
+    """Longest time without any serving replica (one replica: its restart); past it the run stops."""
+    hang_timeout_s: float = 60.0
+    """A replica whose ``/health`` has not answered for this long is killed and restarted; 0 disables."""
+    poll_interval_s: float = 0.5
+    """Seconds between two looks at the engine and router processes."""
+
+
+@dataclass
 class RolloutConfig:
     """``rollout.*``: the rollout pool and step-boundary behaviour (docs/contract.md §1)."""
 
@@ -164,6 +180,8 @@ class RolloutConfig:
     request_timeout: float = 600.0
     """Seconds one generate call may take, step-boundary pauses included; past it the request fails
     (a hung engine) and its trajectory follows the group policy like any engine error."""
+    engine_restart: EngineRestartConfig = field(default_factory=EngineRestartConfig)
+    """Engine and router fault handling (embedded engines)."""
 
 
 @dataclass
@@ -572,6 +590,15 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
         )
     if not cfg.rollout.request_timeout > 0:
         raise ConfigError(f"`rollout.request_timeout` is {cfg.rollout.request_timeout}; it must be > 0 seconds.")
+    er = cfg.rollout.engine_restart
+    if er.max_attempts < 0:
+        raise ConfigError(f"`rollout.engine_restart.max_attempts` is {er.max_attempts}; it must be >= 0 (0: no restarts).")
+    for key in ("backoff_s", "hang_timeout_s"):
+        if getattr(er, key) < 0:
+            raise ConfigError(f"`rollout.engine_restart.{key}` is {getattr(er, key)}; it must be >= 0 seconds.")
+    for key in ("timeout_s", "poll_interval_s"):
+        if not getattr(er, key) > 0:
+            raise ConfigError(f"`rollout.engine_restart.{key}` is {getattr(er, key)}; it must be > 0 seconds.")
     if not cfg.trainer.preempt_grace_s > 0:
         raise ConfigError(f"`trainer.preempt_grace_s` is {cfg.trainer.preempt_grace_s}; it must be > 0 seconds.")
     B, N, M = cfg.B, cfg.N, cfg.M

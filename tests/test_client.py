@@ -244,3 +244,48 @@ def test_a_hung_engine_fails_the_request_after_request_timeout_not_never():
                 await client.close()
 
         run(body, single)
+
+
+def test_every_engine_call_ends_at_its_timeout_against_an_engine_that_never_answers(tmp_path):
+    """A listening socket that never answers (a hung server): every call the client makes, generate
+    and each admin call, ends in an EngineError at its deadline, none waits forever."""
+    import socket
+    import time
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)  # the kernel completes the connections; nobody reads or answers
+    url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    calls = {
+        "generate": lambda c: c.generate(greedy("r", [1, 2], 2)),
+        "abort": lambda c: c.abort("r"),
+        "abort_all": lambda c: c.abort_all(),
+        "pause": lambda c: c.pause(),
+        "resume": lambda c: c.resume(),
+        "begin_weight_update": lambda c: c.begin_weight_update(),
+        "update_weights_from_disk": lambda c: c.update_weights_from_disk(str(tmp_path)),
+        "update_weights_from_tensor": lambda c: c.update_weights_from_tensor({"w": torch.zeros(2)}, shm_dir=str(tmp_path)),
+        "update_weight_version": lambda c: c.update_weight_version(1),
+        "flush_cache": lambda c: c.flush_cache(),
+        "model_info": lambda c: c.model_info(),
+        "loads": lambda c: c.loads(),
+        "weight_checksums": lambda c: c.weight_checksums(),
+    }
+
+    async def body():
+        client = SGLangClient([url], retries=0, admin_timeout_s=0.2, generate_timeout_s=0.2)
+        try:
+            for name, call in calls.items():
+                t0 = time.monotonic()
+                with pytest.raises(EngineError):
+                    await call(client)
+                assert time.monotonic() - t0 < 5, name
+            assert await client.health() is False
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        hung.close()
+    assert list(tmp_path.iterdir()) == [], "a weight file was left behind"

@@ -144,3 +144,49 @@ def test_shutdown_raises_a_background_error_only_if_the_main_thread_has_not_seen
         time.sleep(0.01)
     with pytest.raises(PipelineError, match="max_consecutive_failed_groups"):
         unseen.shutdown()
+
+
+def test_engines_lost_for_good_save_at_the_boundary_or_before_the_step_trains(tmp_path):
+    from lightning_fasync.rollout.supervisor import EngineLostError
+
+    cfg = make_cfg(**{"trainer.save_freq": 0})
+    ctl, hooks = build(cfg, tmp_path), Hooks()
+    train = lambda batch: {"train/loss": 1.0}  # noqa: E731
+    ctl.start()
+    try:
+        ctl.run_step(train, hooks)
+        # Lost mid-step: dispatch stops, the step finishes from the buffer, its boundary saves
+        # (save_freq is 0), and a save afterwards does not save again.
+        ctl.fetch()
+        ctl.state.set_fault(EngineLostError("lost (`rollout.engine_restart.timeout_s`)"))
+        assert ctl.state.plan_dispatch() == []
+        with ctl.train_block():
+            pass
+        while not ctl.minibatch_done():
+            ctl.fetch()
+        step, _ = ctl.step_boundary(hooks)
+        assert step == 1 and hooks.saved == [1]
+        assert ctl.save_after_fault(hooks) == 1 and hooks.saved == [1]
+        ledger = read_jsonl(str(tmp_path / "ledger.jsonl"))
+        assert ledger[-1]["kind"] != "consume"
+        assert [r["resume_step"] for r in ledger if r["kind"] == "checkpoint"] == [2]
+    finally:
+        ctl.shutdown()
+
+    # Lost while the trainer waits at the start of a step, with too little in the buffer: the fetch
+    # raises the fault itself, and the run is saved as the last boundary left it.
+    ctl, hooks = build(cfg, tmp_path / "b"), Hooks()
+    ctl.start()
+    try:
+        ctl.run_step(train, hooks)
+        ctl.state.set_fault(EngineLostError("lost"))
+        while True:
+            try:
+                ctl.state.try_fetch(1) or ctl.fetch()
+            except EngineLostError:
+                break
+        assert ctl.save_after_fault(hooks) == 0 and hooks.saved == [0]
+        sd = ctl.state_dict()["pipeline"]
+        assert sd["rollout_step"] == 1 and sd["weight_version"] == 1
+    finally:
+        ctl.shutdown()

@@ -42,49 +42,6 @@ def scalars(log_dir):
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.slow
-def test_fit_end_to_end(tmp_path):
-    steps = 4
-    proc = run_fit(tmp_path, f"--trainer.rollout_steps={steps}", "--trainer.save_freq=2")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
-
-    # Checkpoints on save_freq, with the pipeline state inside.
-    ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(log_dir, "checkpoints", "*.ckpt")))
-    assert ckpts == ["last.ckpt", "step-000001.ckpt", "step-000003.ckpt"]
-    import torch
-
-    ckpt = torch.load(os.path.join(log_dir, "checkpoints", "last.ckpt"), weights_only=True, map_location="cpu")
-    (cb_state,) = [v for k, v in ckpt["callbacks"].items() if "FullyAsyncCallback" in k]
-    assert cb_state["pipeline"]["rollout_step"] == 4 and cb_state["pipeline"]["weight_version"] == 4
-
-    # The spec's metric names in TensorBoard, finite, once per rollout step at step = rollout step.
-    tb = scalars(log_dir)
-    ledger = read_jsonl(os.path.join(log_dir, "ledger.jsonl"))
-    # The spec reports the two restore counts only for steps with data to recycle; the ledger says
-    # which steps those were.
-    recycled_steps = sorted({r["step"] for r in ledger if r["kind"] == "recycle" and r["reason"] in ("partial", "incomplete")})
-    conditional = {"rollout/partial_restored_count", "rollout/partial_dropped_incomplete_count"}
-    missing = (SPEC_METRICS - conditional) - set(tb)
-    assert not missing, f"missing metrics: {sorted(missing)}"
-    for name in conditional:
-        assert [s for s, _ in tb.get(name, [])] == recycled_steps, name
-    for name in SPEC_METRICS:
-        values = tb.get(name, [])
-        assert all(math.isfinite(v) for _, v in values), name
-    assert [s for s, _ in tb["train/loss"]] == list(range(steps))
-    assert [s for s, _ in tb["timing/save_ckpt"]] == [1, 3]
-    assert all(0 <= v <= 1 for _, v in tb["rollout/reward_mean"])
-
-    # Ledger: B groups consumed per step, each prompt once.
-    consumed = [r for r in ledger if r["kind"] == "consume"]
-    assert len(consumed) == steps * 16
-    assert len({r["prompt"] for r in consumed}) == len(consumed)
-    assert sorted({r["step"] for r in consumed}) == list(range(steps))
-    events = read_jsonl(os.path.join(log_dir, "events.jsonl"))
-    assert {e["event"] for e in events} == set(EVENTS)
-
-
 def test_fit_refuses_a_bad_config_before_starting_anything(tmp_path):
     proc = run_fit(tmp_path, "--fully_async.stale_steps=-1", timeout=120)
     assert proc.returncode == 2
@@ -117,14 +74,55 @@ def test_spec_launch_line_has_a_direct_equivalent(tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_default_learns(tmp_path):
-    """The default run (120 rollout steps, ~2 minutes on 2 cores) lifts mean reward by >= 0.3."""
+def test_embedded_default_learns_end_to_end(tmp_path):
+    """The default run (120 rollout steps, ~2 minutes on 2 cores) lifts mean reward by >= 0.3, and
+    leaves what a run should: checkpoints on save_freq with the pipeline state, the spec's metrics
+    in TensorBoard once per rollout step, a ledger with each prompt once, the event log."""
     from lightning_fasync.plots import read_scalars
 
+    steps, save_freq = 120, 20
     proc = run_fit(tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
     rewards = [v for _, v in read_scalars(log_dir)["rollout/reward_mean"]]
-    assert len(rewards) == 120
+    assert len(rewards) == steps
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last - first >= 0.3, (first, last)
+
+    # Checkpoints on save_freq (the config's 20), the last trainer.save_keep_last = 3 kept, with the
+    # pipeline state inside.
+    ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(log_dir, "checkpoints", "*.ckpt")))
+    assert ckpts == ["last.ckpt", "step-000079.ckpt", "step-000099.ckpt", "step-000119.ckpt"]
+    import torch
+
+    ckpt = torch.load(os.path.join(log_dir, "checkpoints", "last.ckpt"), weights_only=True, map_location="cpu")
+    (cb_state,) = [v for k, v in ckpt["callbacks"].items() if "FullyAsyncCallback" in k]
+    assert cb_state["pipeline"]["rollout_step"] == steps and cb_state["pipeline"]["weight_version"] == steps
+
+    # The spec's metric names in TensorBoard, finite, once per rollout step at step = rollout step.
+    tb = scalars(log_dir)
+    ledger = read_jsonl(os.path.join(log_dir, "ledger.jsonl"))
+    # The spec reports the two restore counts only for steps with data to recycle; the ledger says
+    # which steps those were.
+    recycled_steps = sorted({r["step"] for r in ledger if r["kind"] == "recycle" and r["reason"] in ("partial", "incomplete")})
+    conditional = {"rollout/partial_restored_count", "rollout/partial_dropped_incomplete_count"}
+    missing = (SPEC_METRICS - conditional) - set(tb)
+    assert not missing, f"missing metrics: {sorted(missing)}"
+    for name in conditional:
+        assert [s for s, _ in tb.get(name, [])] == recycled_steps, name
+    for name in SPEC_METRICS:
+        values = tb.get(name, [])
+        assert all(math.isfinite(v) for _, v in values), name
+    assert [s for s, _ in tb["train/loss"]] == list(range(steps))
+    assert [s for s, _ in tb["timing/save_ckpt"]] == list(range(save_freq - 1, steps, save_freq))
+    assert all(0 <= v <= 1 for _, v in tb["rollout/reward_mean"])
+    assert [v for _, v in tb["rollout/engines_live"]] == [1.0] * steps
+    assert [v for _, v in tb["rollout/engine_restarts"]] == [0.0] * steps
+
+    # Ledger: B groups consumed per step, each prompt once.
+    consumed = [r for r in ledger if r["kind"] == "consume"]
+    assert len(consumed) == steps * 16
+    assert len({r["prompt"] for r in consumed}) == len(consumed)
+    assert sorted({r["step"] for r in consumed}) == list(range(steps))
+    events = read_jsonl(os.path.join(log_dir, "events.jsonl"))
+    assert {e["event"] for e in events} == set(EVENTS)

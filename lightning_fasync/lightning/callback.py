@@ -235,8 +235,11 @@ class FullyAsyncCallback(Callback):
         if not self.schedule.call_done():
             self._check_preemption()
             return
-        # A signal received by now makes this boundary save and end the run (rank 0 decides).
-        self.schedule.force_save = bool(self._broadcast(trainer, self.preemption.requested))
+        # A signal received by now, or engines lost for good, make this boundary save and end the
+        # run (rank 0 decides).
+        preempted, lost = self._broadcast(
+            trainer, (self.preemption.requested, ctl is not None and ctl.state.fault is not None))
+        self.schedule.force_save = bool(preempted or lost)
         if ctl is not None:
             step, step_metrics = ctl.step_boundary(self)
             for logger in trainer.loggers:
@@ -247,8 +250,10 @@ class FullyAsyncCallback(Callback):
         elif self.schedule.save_due(self._step):
             # The other ranks take part in the checkpoint's collectives in rank 0's order.
             self.save_checkpoint(self._step)
-        if self.schedule.force_save:
+        if preempted:
             raise self.preemption.stop(self._files.path(self._step) if self._files is not None else None)
+        if lost:
+            raise ctl.state.fault if ctl is not None else PipelineError("Rank 0's rollout engines are lost; stopping.")
         self._step = self._broadcast(trainer, ctl.rollout_step if ctl is not None else -1)
         self._require_hooks().begin_rollout_step(self._step)
 
@@ -299,6 +304,10 @@ class FullyAsyncCallback(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.controller is not None:
             self.controller.end_train()  # a training_step that raised closes its timing block
+        runtime = self.runtime
+        if runtime is not None and runtime.engine_lost is not None and self._world == 1 and self._files is not None:
+            # (With several ranks the others wait in a collective; the last periodic checkpoint stands.)
+            runtime.save_after_fault(self, self._files.last, self._files.path)
         self._shutdown(raise_errors=False)
 
     @override

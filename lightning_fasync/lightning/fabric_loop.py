@@ -154,8 +154,14 @@ class FullyAsyncFabricLoop:
                 fabric.call("on_rollout_step_end", loop=self, step=step, metrics=step_metrics)
                 if preemption.requested and self._saved_step == step:  # the boundary saved: stop here
                     raise preemption.stop(self.files.path(step))
+                if ctl.state.fault is not None:  # engines lost for good: the boundary saved; stop
+                    raise ctl.state.fault
             fabric.call("on_fasync_train_end", loop=self)
             ok = True
+        except Exception:
+            if self.runtime.engine_lost is not None:
+                self.runtime.save_after_fault(self, self.files.last, self.files.path)
+            raise
         finally:
             preemption.restore()
             self.runtime.shutdown(raise_errors=ok)

@@ -10,6 +10,7 @@ as it is; what is not passed is built from the config's ``package.module:Name`` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import tempfile
@@ -132,6 +133,16 @@ class RolloutRuntime:
                     client=client, sampling=sampling, max_response_length=cfg.rollout.max_response_length, reward_fn=reward,
                 )
             self.controller = FullyAsyncController(cfg, datasource, flow, client, log_dir=log_dir)
+            if self.pool is not None:
+                er = cfg.rollout.engine_restart
+                state = self.controller.state
+                supervisor = self.pool.supervise(
+                    max_attempts=er.max_attempts, backoff_s=er.backoff_s, timeout_s=er.timeout_s,
+                    hang_timeout_s=er.hang_timeout_s, poll_s=er.poll_interval_s,
+                    emit=lambda event, **fields: state.events.emit(event, step=state.rollout_step, **fields),
+                    on_fatal=state.set_fault,
+                )
+                self.controller.metric_sources.append(supervisor.metrics)
         except BaseException:
             if self.pool is not None:
                 self.pool.stop()
@@ -164,32 +175,67 @@ class RolloutRuntime:
             client = self._admin_client()
             try:
                 if self.weight_sync == "tensor":
-                    await client.update_weights_from_tensor(tensors, weight_version=version)
+                    if self.pool is not None:  # our own client: keep the file for restarted replicas
+                        kept = await client.update_weights_from_tensor(tensors, weight_version=version, keep=True)
+                    else:
+                        kept = await client.update_weights_from_tensor(tensors, weight_version=version)
                 else:
-                    await self._push_disk(client, tensors, version)
+                    kept = await self._push_disk(client, tensors, version)
+                if kept is not None and self.pool is not None:
+                    self.pool.keep_weights(self.weight_sync, kept, version)
             finally:
                 if not self._client_given:
                     await client.close()
 
-        try:
-            asyncio.run(asyncio.wait_for(push(), self.admin_timeout))
-        except asyncio.TimeoutError:
-            raise PipelineError(f"The weight sync to the engines took longer than {self.admin_timeout:.0f} s.") from None
+        # The pool's lock: a replica restarting meanwhile joins before or after this version, whole.
+        lock = self.pool.sync_lock if self.pool is not None else contextlib.nullcontext()
+        with lock:
+            try:
+                asyncio.run(asyncio.wait_for(push(), self.admin_timeout))
+            except asyncio.TimeoutError:
+                raise PipelineError(f"The weight sync to the engines took longer than {self.admin_timeout:.0f} s.") from None
 
-    async def _push_disk(self, client: Any, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Write a safetensors directory, have every engine load it, remove it."""
+    async def _push_disk(self, client: Any, tensors: Mapping[str, torch.Tensor], version: int) -> Optional[str]:
+        """Write a safetensors directory and have every engine load it; then remove it, or, with
+        a pool of our own, return it to be kept for restarted replicas."""
         from safetensors.torch import save_file
 
         root = os.path.join(self.log_dir, "weights") if self.log_dir else None
         if root:
             os.makedirs(root, exist_ok=True)
         directory = tempfile.mkdtemp(prefix=f"v{version}-", dir=root)
+        keep = False
         try:
             cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
             await asyncio.get_running_loop().run_in_executor(None, save_file, cpu, os.path.join(directory, "model.safetensors"))
             await client.update_weights_from_disk(directory, weight_version=version)
+            keep = self.pool is not None
         finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            if not keep:
+                shutil.rmtree(directory, ignore_errors=True)
+        return directory if keep else None
+
+    @property
+    def engine_lost(self) -> Optional[BaseException]:
+        """The supervisor's fatal error once the engines are lost for good, else None."""
+        supervisor = self.pool.supervisor if self.pool is not None else None
+        return supervisor.fatal if supervisor is not None else None
+
+    def save_after_fault(self, hooks: Any, last: Callable[[], Optional[str]], path: Callable[[int], str]) -> None:
+        """After the engines are lost for good: save a checkpoint at the last consistent point if
+        there is one (:meth:`FullyAsyncController.save_after_fault`) and say on stderr where a
+        resume starts. Never raises: the run is already failing with the engines' error."""
+        import sys
+
+        try:
+            step = self.controller.save_after_fault(hooks)
+            where = path(step) if step is not None else last()
+        except Exception as exc:  # noqa: BLE001 - report, keep the original error
+            where = last()
+            print(f"Could not save a checkpoint after the engines were lost: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print("The rollout engines are lost: "
+              + (f"a resume with `--ckpt_path last` starts from {where}." if where else "no checkpoint exists to resume from."),
+              file=sys.stderr, flush=True)
 
     def shutdown(self, raise_errors: bool = True) -> None:
         """Stop the pipeline threads, then the engines (by pid). Idempotent."""

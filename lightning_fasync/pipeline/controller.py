@@ -217,9 +217,12 @@ class FullyAsyncController:
         self.schedule = StepSchedule.from_config(cfg)
         self.timer = StepTimer(clock)
         self._train_records: list[Mapping[str, float]] = []
+        # More step metrics, read at each boundary on the main thread (e.g. the engine supervisor's).
+        self.metric_sources: list[Callable[[], Mapping[str, float]]] = []
         self._rollout_done = False  # colocate: the current step's rollout phase has ended
         self._train_t0: Optional[float] = None
         self._in_boundary = False
+        self._saved_step: Optional[int] = None
         self._started = False
         self._closed = False
 
@@ -373,12 +376,15 @@ class FullyAsyncController:
             self.pause()
 
         metrics = self.state.step_metrics()
+        for source in self.metric_sources:
+            metrics.update(source())
         metrics.update(aggregate_metrics(self._train_records))
         self._train_records = []
 
         self._in_boundary = True
         try:
-            if self.schedule.save_due(step):
+            # Engines lost for good: this boundary saves, and the driver stops after it.
+            if self.schedule.save_due(step) or self.state.fault is not None:
                 # The ledger is durable up to the checkpoint, and says where the checkpoint is, so
                 # an audit after a crash knows which consumptions the restored run replays.
                 self.state.ledger.flush()
@@ -386,6 +392,7 @@ class FullyAsyncController:
                     hooks.save_checkpoint(step)
                 self.state.ledger.record("checkpoint", step=step, resume_step=step + 1)
                 self.state.ledger.flush()
+                self._saved_step = step
             t0 = self.clock()
             with self.timer.time("update_weights"):
                 hooks.sync_weights(self.state.weight_version + 1)
@@ -402,6 +409,27 @@ class FullyAsyncController:
         self.state.ledger.flush()
         self.state.events.flush()
         return step, metrics
+
+    def save_after_fault(self, hooks: StepHooks) -> Optional[int]:
+        """The engines are lost for good (``rollout.engine_restart``) and the trainer could not reach
+        the step's boundary (which saves, see :meth:`step_boundary`): if no training call of the
+        current step has run, the run stands as the last boundary left it, so quiesce the pipeline
+        and save a checkpoint as that boundary's (its in-flight groups are recycled). Returns the
+        step saved, or None (a training call already ran, or nothing to save before step 0).
+
+        Main thread, after the fault reached it; the caller re-raises it.
+        """
+        step = self.state.rollout_step - 1
+        if step == self._saved_step:
+            return step  # the boundary that ended it saved already
+        if not self._started or self._closed or self.schedule.calls or self._train_t0 is not None or step < 0:
+            return None
+        self.pause()
+        self.state.ledger.flush()
+        hooks.save_checkpoint(step)
+        self.state.ledger.record("checkpoint", step=step, resume_step=step + 1)
+        self.state.ledger.flush()
+        return step
 
     # ------------------------------------------------------------------ checkpoint
 

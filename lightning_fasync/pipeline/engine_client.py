@@ -72,6 +72,12 @@ class EngineError(RuntimeError):
     """An engine call failed after the client's retries."""
 
 
+class EngineFault(EngineError):
+    """The engine did not serve the request, through no fault of the request: it timed out
+    (``rollout.request_timeout``), or the replica or router went away. The pipeline regenerates
+    such a group without spending the prompt's failure budget (see ``PipelineState``)."""
+
+
 class EngineClient(abc.ABC):
     """What the producer needs from a rollout engine (or a router in front of several).
 

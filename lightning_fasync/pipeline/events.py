@@ -3,7 +3,9 @@
 - Event log: one JSON object per line, keys ``t``, ``event`` (dispatch | complete | collect |
   consume | train | pause | resume | sync), ``seq``, ``prompt``, ``R``, ``Q``, ``step``. ``train``
   (one training call) and ``sync`` carry ``dur``, their duration, and are written when they end.
-  A live run and the simulator write the same format, so one timeline tool reads both.
+  A live run and the simulator write the same format, so one timeline tool reads both. A run with
+  its own engines also writes ``FAULT_EVENTS`` (engine and router faults, from the engine
+  supervisor) with their own fields, among them ``wall`` (Unix time).
 - Ledger: one line per consumed group and per recycled or dropped prompt, so exactly-once
   consumption can be audited after a crash and resume.
 """
@@ -16,6 +18,8 @@ import threading
 from typing import Any, Callable, Optional, TextIO
 
 EVENTS = ("dispatch", "complete", "collect", "consume", "train", "pause", "resume", "sync")
+FAULT_EVENTS = ("engine_dead", "engine_restarted", "engine_restart_failed", "engine_gave_up", "router_dead",
+                "router_restart_failed", "router_restarted", "engine_fatal")
 
 # One encoder for every line: json.dumps with non-default separators builds a new encoder per
 # call, which dominated the cost of a step boundary that recycles hundreds of groups.

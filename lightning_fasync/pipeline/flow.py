@@ -13,7 +13,7 @@ import abc
 import asyncio
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from lightning_fasync.pipeline.engine_client import EngineClient, GenerateRequest, GenerateResult, SamplingParams
+from lightning_fasync.pipeline.engine_client import EngineClient, EngineFault, GenerateRequest, GenerateResult, SamplingParams
 from lightning_fasync.types import PromptSample, Trajectory, TrajectoryStatus
 
 RewardFn = Callable[[PromptSample, Trajectory], Union[float, Awaitable[float]]]
@@ -40,11 +40,20 @@ class AgentFlow(abc.ABC):
                 if isinstance(res, asyncio.CancelledError):
                     raise res
                 traj = continuation(sample, i, seq)
-                traj.status = TrajectoryStatus.FAILED
-                traj.error = f"{type(res).__name__}: {res}"
+                mark_failed(traj, res)
                 res = traj
             out.append(res)
         return out
+
+
+def mark_failed(traj: Trajectory, exc: BaseException) -> None:
+    """Mark ``traj`` failed by ``exc``; an :class:`EngineFault` (timeout, lost replica) is flagged
+    in ``metadata["engine_fault"]``, so the group is regenerated without spending the prompt's
+    failure budget."""
+    traj.status = TrajectoryStatus.FAILED
+    traj.error = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, EngineFault):
+        traj.metadata["engine_fault"] = True
 
 
 def continuation(sample: PromptSample, index: int, seq: int) -> Trajectory:
@@ -143,8 +152,7 @@ class SingleTurnFlow(AgentFlow):
             results = await self.client.generate_batch([req for _, req in pending])
             for (traj, _), result in zip(pending, results):
                 if isinstance(result, BaseException):  # engine errors become failed trajectories
-                    traj.status = TrajectoryStatus.FAILED
-                    traj.error = f"{type(result).__name__}: {result}"
+                    mark_failed(traj, result)
                 else:
                     apply_result(traj, result, self.max_response_length)
         if self.reward_fn is not None:

@@ -13,6 +13,11 @@ Group policy for trajectories that did not finish (collector side):
   regenerated from scratch once (ledger ``recycle`` with ``reason: failed``), and on a second
   failure it is dropped for good (ledger ``drop``, counted in ``rollout/failed_drop``). Too many
   failed groups in a row raise an error on the main thread instead of starving the trainer.
+- every failed trajectory failed because the engine did not serve it (``EngineFault``: the
+  request timed out, or its replica or router went away): the prompt is regenerated from scratch
+  (ledger ``recycle`` with ``reason: engine_fault``, counted in ``rollout/engine_fault_recycled``)
+  without spending its failure budget or counting toward the limit above; the engine supervisor
+  owns that case. After ``ENGINE_FAULT_RETRIES`` such tries it is dropped (``drop``, same reason).
 - any trajectory cancelled (aborted at a step boundary, or by the engine itself): the group is put
   back into the datasource's recycle buffer with its partial tokens and resumed later.
 """
@@ -33,6 +38,9 @@ from lightning_fasync.types import PromptSample, Trajectory, TrajectoryGroup, Tr
 
 GroupFilter = Callable[[TrajectoryGroup], bool]
 
+ENGINE_FAULT_RETRIES = 3
+"""Times a prompt is regenerated after engine faults (timeouts, lost replicas) before it is dropped."""
+
 
 class PipelineError(RuntimeError):
     """The pipeline cannot go on: a timeout, a dead thread, an exhausted datasource."""
@@ -42,6 +50,7 @@ class PipelineError(RuntimeError):
 class _StepStats:
     filter_drop: int = 0
     failed_drop: int = 0
+    engine_fault_recycled: int = 0
     partial_restored_count: int = 0
     partial_dropped_incomplete_count: int = 0
     aborted_restored_count: int = 0
@@ -115,6 +124,10 @@ class PipelineState:
         self._error: Optional[BaseException] = None
         # Called at each poll of the main thread's waits (fetch, pause); may raise to abandon them.
         self.interrupt: Optional[Callable[[], None]] = None
+        # The engines are lost for good (set by the engine supervisor): nothing more is dispatched;
+        # the trainer uses what the buffer holds, saves at the next boundary and stops there, or
+        # stops at once with this error when it would have to wait for more.
+        self.fault: Optional[BaseException] = None
         self._error_seen = False
         self._stats = _StepStats()
         self._wake_listeners: list[Callable[[], None]] = []
@@ -162,6 +175,14 @@ class PipelineState:
             self._fetch_cv.notify_all()
         self._wake_producer()
 
+    def set_fault(self, exc: BaseException) -> None:
+        """The engines are lost for good (see ``fault``); any thread."""
+        with self.cond:
+            if self.fault is None:
+                self.fault = exc
+            self.cond.notify_all()
+            self._fetch_cv.notify_all()
+
     def check_interrupt(self) -> None:
         """Run the main thread's interrupt check (``interrupt``, set by the driver: a preemption
         that must abandon the step raises from here), at each poll of a main-thread wait."""
@@ -186,7 +207,7 @@ class PipelineState:
         """Take as many groups as the strategy allows now; each gets the next sequence number."""
         out: list[tuple[int, PromptSample]] = []
         with self.cond:
-            if self.paused or self.exhausted or self._error is not None:
+            if self.paused or self.exhausted or self._error is not None or self.fault is not None:
                 return out
             count = int(self.strategy.dispatch_count(self.view()))
             if limit is not None:
@@ -317,6 +338,12 @@ class PipelineState:
                 taken.append(group)
         return taken
 
+    @staticmethod
+    def _engine_fault(group: PendingGroup) -> bool:
+        """Every failed trajectory of ``group`` failed because the engine did not serve it."""
+        failed = [t for t in group.trajectories.values() if t.status is TrajectoryStatus.FAILED]
+        return bool(failed) and all(t.metadata.get("engine_fault") for t in failed)
+
     def _finish_collect(self, groups: Sequence[PendingGroup], verdicts: Sequence[str]) -> None:
         # The producer is always woken: a collection moves the oldest uncollected seq
         # (window-gated) and a drop frees capacity.
@@ -336,6 +363,21 @@ class PipelineState:
                     self._consecutive_failed = 0
                     self._stats.filter_drop += 1
                     self.ledger.record("drop", prompt=str(pid), seq=group.seq, step=self.rollout_step, reason="filter")
+                elif self._engine_fault(group):
+                    # The engine did not serve (timeout, lost replica): regenerate the prompt from
+                    # scratch without spending its failure budget, up to ENGINE_FAULT_RETRIES times.
+                    errors = [t.error for t in group.trajectories.values() if t.error]
+                    faults = int(group.sample.metadata.get("_engine_fault_retries", 0))
+                    self._stats.engine_fault_recycled += 1
+                    if faults < ENGINE_FAULT_RETRIES:
+                        self.datasource.recycle([PromptSample(
+                            prompt_id=pid, input_ids=group.sample.input_ids,
+                            metadata={**group.sample.metadata, "_engine_fault_retries": faults + 1},
+                        )])
+                        self.ledger.record("recycle", prompt=str(pid), seq=group.seq, step=self.rollout_step, reason="engine_fault", error=errors[:1])
+                    else:
+                        self._stats.failed_drop += 1
+                        self.ledger.record("drop", prompt=str(pid), seq=group.seq, step=self.rollout_step, reason="engine_fault", error=errors[:1])
                 else:
                     self._consecutive_failed += 1
                     errors = [t.error for t in group.trajectories.values() if t.error]
@@ -398,6 +440,8 @@ class PipelineState:
             while len(self.buffer) < k:
                 self.raise_if_error()
                 self.check_interrupt()
+                if self.fault is not None:
+                    raise self.fault
                 if self.exhausted and self.R == 0 and self.in_flight == 0:
                     raise PipelineError(
                         f"The datasource is exhausted: {len(self.buffer)} groups are left in the PipelineBuffer "
@@ -550,6 +594,8 @@ class PipelineState:
             m["rollout/partial_dropped_incomplete_count"] = float(s.partial_dropped_incomplete_count)
         if s.failed_drop:
             m["rollout/failed_drop"] = float(s.failed_drop)
+        if s.engine_fault_recycled:
+            m["rollout/engine_fault_recycled"] = float(s.engine_fault_recycled)
         if s.aborted_restored_count:
             m["rollout/aborted_restored_count"] = float(s.aborted_restored_count)
         if s.reward_count:

@@ -10,14 +10,23 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import time
 import uuid
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Mapping, Optional, Sequence
 
 import aiohttp
 
-from lightning_fasync.pipeline.engine_client import EngineClient, EngineError, GenerateRequest, GenerateResult
+from lightning_fasync.pipeline.engine_client import EngineClient, EngineError, EngineFault, GenerateRequest, GenerateResult
+from lightning_fasync.rollout.supervisor import EngineLostError, WorkerSet
 
 RETRYABLE_STATUS = (502, 503, 504)  # router without a healthy worker, worker restarting
+# Statuses with which the router reports a worker that went away mid-request.
+LOST_WORKER_STATUS = (500, *RETRYABLE_STATUS)
+_SKIPPED = object()  # an admin call to a worker that left the serving set meanwhile
+
+
+class EngineUnavailable(EngineFault):
+    """The engine (or router) did not answer: connection refused or reset, or 502/503/504 after retries."""
 
 
 def parse_version(label: Any) -> int:
@@ -104,6 +113,12 @@ class SGLangClient(EngineClient):
         generate_timeout_s: Deadline of one ``/generate``, pauses included (``rollout.request_timeout``);
             past it the request fails with an ``EngineError`` and is not retried.
         admin_timeout_s: Deadline of one admin call.
+        workers: The serving replicas, shared with an
+            :class:`~lightning_fasync.rollout.supervisor.EngineSupervisor` (``RolloutPool.client``
+            passes it). With it, admin calls go to serving replicas only (a call to a replica that
+            leaves the set is abandoned), and a ``/generate`` whose replica or router went away is
+            sent again once one serves, within ``rollout.engine_restart.timeout_s``. Without it,
+            ``worker_urls`` is fixed and such a request fails.
     """
 
     def __init__(
@@ -116,11 +131,13 @@ class SGLangClient(EngineClient):
         retry_backoff_s: float = 0.5,
         generate_timeout_s: float = 3600.0,
         admin_timeout_s: float = 300.0,
+        workers: Optional[WorkerSet] = None,
     ) -> None:
         if not worker_urls:
             raise ValueError("SGLangClient needs at least one worker URL.")
-        self.worker_urls = [u.rstrip("/") for u in worker_urls]
-        self.generate_url = (router_url or self.worker_urls[0]).rstrip("/")
+        self.supervised = workers is not None
+        self.workers = workers if workers is not None else WorkerSet([u.rstrip("/") for u in worker_urls])
+        self.generate_url = (router_url or worker_urls[0]).rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.max_connections = max_connections
         self.retries = retries
@@ -129,6 +146,11 @@ class SGLangClient(EngineClient):
         self.admin_timeout_s = admin_timeout_s
         self._session: Optional[aiohttp.ClientSession] = None
         self._has_update_bracket: Optional[bool] = None  # probed once: SGLang >= 0.5.23 has it
+
+    @property
+    def worker_urls(self) -> list[str]:
+        """The replicas admin calls go to (the serving ones, when supervised)."""
+        return self.workers.urls
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -166,18 +188,46 @@ class SGLangClient(EngineClient):
                     return text
             except asyncio.TimeoutError as exc:
                 if timeout_key is not None:
-                    raise EngineError(
+                    raise EngineFault(
                         f"{method} {url} did not answer within {client_timeout.total:g} s (`{timeout_key}`); "
                         "the engine is hung or overloaded."
                     ) from exc
                 last = exc
             except aiohttp.ClientConnectionError as exc:
                 last = exc
-        raise EngineError(f"{method} {url} failed after {self.retries + 1} attempts: {last!r}") from last
+        raise EngineUnavailable(f"{method} {url} failed after {self.retries + 1} attempts: {last!r}") from last
 
     async def _all_workers(self, method: str, path: str, body: Optional[dict] = None, missing_ok: bool = False) -> list[Any]:
-        return list(await asyncio.gather(*(self._request(method, u + path, body, missing_ok=missing_ok)
-                                           for u in self.worker_urls)))
+        """One call per serving worker; workers that left the serving set meanwhile are left out."""
+        results = await asyncio.gather(*(self._on_worker(u, self._request(method, u + path, body, missing_ok=missing_ok))
+                                         for u in self.worker_urls))
+        return [r for r in results if r is not _SKIPPED]
+
+    async def _on_worker(self, url: str, call: Awaitable[Any]) -> Any:
+        """Await ``call`` to ``url``; abandon it (``_SKIPPED``) if the supervisor takes ``url`` out of
+        service meanwhile, so a dead or hung replica never holds up a pause or a weight sync."""
+        if not self.supervised:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    try:
+                        return task.result()
+                    except EngineError:
+                        # Give the supervisor a poll interval to notice a dead replica.
+                        for _ in range(8):
+                            if not self.workers.is_live(url):
+                                return _SKIPPED
+                            await asyncio.sleep(0.25)
+                        raise
+                if not self.workers.is_live(url):
+                    task.cancel()
+                    return _SKIPPED
+        finally:
+            if not task.done():
+                task.cancel()
 
     async def begin_weight_update(self) -> bool:
         """Open SGLang 0.5.23's weight-update bracket on every worker; False where servers lack it (0.5.15)."""
@@ -202,16 +252,59 @@ class SGLangClient(EngineClient):
             "sampling_params": request.sampling_params.to_dict(),
             "return_logprob": True,
         }
-        data = await self._request("POST", self.generate_url + "/generate", body, timeout=self.generate_timeout_s,
-                                   timeout_key="rollout.request_timeout")
+        data = await self._generate(request, body)
+        if data is None:
+            return GenerateResult(rid=request.rid, output_ids=[], output_log_probs=[], weight_versions=[],
+                                  finish_reason="abort", prompt_tokens=len(request.input_ids))
         if not isinstance(data, dict):
             raise EngineError(f"Request {request.rid}: /generate returned non-JSON: {str(data)[:300]}")
         return parse_generate_response(request.rid, data)
+
+    async def _generate(self, request: GenerateRequest, body: dict) -> Any:
+        """POST ``/generate``; when supervised, wait for a serving replica first and send again after
+        the replica (or router) went away mid-request. None: ``abort_all`` ran while it waited."""
+        url = self.generate_url + "/generate"
+        if not self.supervised:
+            return await self._request("POST", url, body, timeout=self.generate_timeout_s, timeout_key="rollout.request_timeout")
+        epoch = self.workers.abort_epoch
+        deadline = time.monotonic() + self.workers.wait_timeout_s
+        while True:
+            if not await self.workers.wait_available(epoch):
+                return None
+            serving = self.workers.urls
+            try:
+                return await self._request("POST", url, body, timeout=self.generate_timeout_s,
+                                           timeout_key="rollout.request_timeout")
+            except EngineError as exc:
+                if not isinstance(exc, EngineUnavailable):
+                    # A router answers 500 for a request whose worker died under it; any other
+                    # error, or a 500 while the serving set stays as it was, is the request's own.
+                    if not any(f"answered {s}:" in str(exc) for s in LOST_WORKER_STATUS) or not await self._set_changed(serving):
+                        raise
+                if self.workers.abort_epoch != epoch:
+                    return None
+                if time.monotonic() > deadline:
+                    raise EngineLostError(
+                        f"Request {request.rid}: no engine served it within {self.workers.wait_timeout_s:g} s "
+                        f"(`rollout.engine_restart.timeout_s`); last error: {exc}"
+                    ) from exc
+                await asyncio.sleep(0.25)  # the supervisor notices the lost replica meanwhile
+
+    async def _set_changed(self, before: list[str], wait_s: float = 2.0) -> bool:
+        """True once the serving set differs from ``before`` (a replica lost), within ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.workers.urls != before or not self.workers.available():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
 
     async def abort(self, rid: str) -> None:
         await self._all_workers("POST", "/abort_request", {"rid": rid})
 
     async def abort_all(self) -> None:
+        self.workers.bump_abort()  # requests waiting for a serving replica return aborted
         await self._all_workers("POST", "/abort_request", {"abort_all": True})
 
     async def close(self) -> None:
@@ -237,11 +330,13 @@ class SGLangClient(EngineClient):
         self._check_success(await self._all_workers("POST", "/update_weights_from_disk", body))
 
     async def update_weights_from_tensor(
-        self, named_tensors: Mapping[str, Any], weight_version: Optional[int] = None, shm_dir: str = "/dev/shm"
-    ) -> None:
+        self, named_tensors: Mapping[str, Any], weight_version: Optional[int] = None, shm_dir: str = "/dev/shm",
+        keep: bool = False,
+    ) -> Optional[str]:
         """Same-host update: write one safetensors file to shared memory; every worker maps it in.
 
-        The file is removed once every worker has answered.
+        The file is removed once every worker has answered, unless ``keep``: then its path is
+        returned and the caller owns it (``RolloutPool.keep_weights``, for restarted replicas).
         """
         from safetensors.torch import save_file
 
@@ -250,17 +345,31 @@ class SGLangClient(EngineClient):
         tensors = {k: v.detach().contiguous().cpu() for k, v in named_tensors.items()}
         await asyncio.get_running_loop().run_in_executor(None, save_file, tensors, path)
         try:
-            body: dict[str, Any] = {"safetensors_path": path, "flush_cache": True, "abort_all_requests": False}
-            if weight_version is not None:
-                body["weight_version"] = str(weight_version)
-            bracket = await self.begin_weight_update()
-            try:
-                self._check_success(await self._all_workers("POST", "/update_weights_from_tensor", body))
-            finally:
-                if bracket:
-                    await self.end_weight_update()
-        finally:
+            await self.load_weights_file("tensor", path, weight_version)
+        except BaseException:
             os.unlink(path)
+            raise
+        if keep:
+            return path
+        os.unlink(path)
+        return None
+
+    async def load_weights_file(self, kind: str, path: str, weight_version: Optional[int] = None) -> None:
+        """Every worker loads weights already written: ``tensor``, one safetensors file through
+        ``/update_weights_from_tensor`` (same host); ``disk``, a directory through
+        ``/update_weights_from_disk``."""
+        if kind == "disk":
+            await self.update_weights_from_disk(path, weight_version)
+            return
+        body: dict[str, Any] = {"safetensors_path": path, "flush_cache": True, "abort_all_requests": False}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        bracket = await self.begin_weight_update()
+        try:
+            self._check_success(await self._all_workers("POST", "/update_weights_from_tensor", body))
+        finally:
+            if bracket:
+                await self.end_weight_update()
 
     async def update_weight_version(self, weight_version: int) -> None:
         """Relabel the current weights on every worker."""
@@ -292,3 +401,29 @@ class SGLangClient(EngineClient):
         for r in results:
             if isinstance(r, dict) and r.get("success") is False:
                 raise EngineError(f"{what} failed: {r.get('message')}")
+
+    async def weight_checksums(self) -> list[dict[str, str]]:
+        """SGLang's ``/weights_checker`` (action ``checksum``) on every worker.
+
+        Returns:
+            Per worker, in ``worker_urls`` order (less any that left the serving set meanwhile),
+            the tensor name -> checksum map of its rank 0 (``ranks[0]["checksums"]``);
+            ``rollout.weight_checksum.compare`` checks one against the trainer's ``checksums``.
+
+        Raises:
+            EngineError: A worker refused (the message names it), or answered without checksums.
+        """
+        urls = list(self.worker_urls)
+        results = await self._all_workers("POST", "/weights_checker", {"action": "checksum"})
+        # Workers that left the serving set meanwhile are missing from ``results``.
+        names = urls if len(results) == len(urls) else ["one of " + ", ".join(urls)] * len(results)
+        out: list[dict[str, str]] = []
+        for url, r in zip(names, results):
+            ranks = r.get("ranks") if isinstance(r, dict) else None
+            rank0 = ranks[0] if isinstance(ranks, list) and ranks else None
+            sums = rank0.get("checksums") if isinstance(rank0, dict) else None
+            if not isinstance(r, dict) or r.get("success") is not True or not isinstance(sums, dict):
+                message = r.get("message") if isinstance(r, dict) else None
+                raise EngineError(f"/weights_checker on {url} gave no checksums: {message or str(r)[:300]}")
+            out.append(dict(sums))
+        return out

@@ -16,7 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
@@ -67,11 +67,19 @@ class ServerHandle:
         except OSError as exc:
             return f"<no log: {exc}>"
 
-    def wait_healthy(self, timeout: float, api_key: Optional[str] = None, path: str = "/health") -> None:
-        """Poll ``path`` until it answers 200, the child exits, or ``timeout`` passes."""
+    def wait_healthy(self, timeout: float, api_key: Optional[str] = None, path: str = "/health",
+                     should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Poll ``path`` until it answers 200, the child exits, or ``timeout`` passes.
+
+        ``should_stop``: polled between probes; when it turns true the child is stopped and
+        :class:`ServerStartError` raised (a shutdown during a restart).
+        """
         deadline = time.monotonic() + timeout
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         while True:
+            if should_stop():
+                self.stop()
+                raise ServerStartError(f"{self.name} (pid {self.pid}): stopped while starting.")
             if not self.alive():
                 raise ServerStartError(
                     f"{self.name} (pid {self.pid}) exited with status {self.process.returncode} before it was "
@@ -92,6 +100,17 @@ class ServerHandle:
                     f"Output tail (full log: {self.log_path}):\n{tail}"
                 )
             time.sleep(0.2)
+
+    def kill_tree(self) -> None:
+        """SIGKILL the child's whole process group (it leads its own session); reaps it. Idempotent."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; by pid, idempotent.

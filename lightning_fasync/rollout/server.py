@@ -292,7 +292,8 @@ async def _apply_update(request: web.Request, tensors: dict[str, Any], version: 
     if abort:
         await _blocking(engine.abort, "", True)
     try:
-        n = await _blocking(engine.update_weights, tensors, version)
+        async with request.app[STATE_KEY]["weights_lock"]:  # never while /weights_checker reads them
+            n = await _blocking(engine.update_weights, tensors, version)
     except ValueError as exc:
         return web.json_response({"success": False, "message": str(exc)}, status=400)
     state = request.app[STATE_KEY]
@@ -391,6 +392,45 @@ async def update_weight_version(request: web.Request) -> web.Response:
         await _blocking(engine.abort, "", True)
     await _blocking(engine.set_weight_version, version)
     return web.json_response({"success": True, "message": f"Weight version updated to {version}", "new_version": version})
+
+
+WEIGHTS_CHECKER_ACTIONS = ("snapshot", "reset_tensors", "compare", "checksum")  # SGLang 0.5.23's
+
+
+async def weights_checker(request: web.Request) -> web.Response:
+    """SGLang's ``/weights_checker`` with ``action`` ``checksum`` (its default; body optional).
+
+    Answers SGLang's body (``success``, ``message``, ``ranks``, ``per_engine_checksum``; see
+    ``rollout/weight_checksum.py``). The tensors are hashed on an executor thread, so generation
+    goes on meanwhile; a weight update waits until the hashing is done, so the checksums are those
+    of one set of weights. SGLang's other actions (``snapshot``, ``reset_tensors``, ``compare``)
+    are refused with 400. With ``selector`` ``draft`` there is no runner to check (no draft
+    model): SGLang then answers success without ``ranks``.
+    """
+    from lightning_fasync.rollout.weight_checksum import engine_checksum_body
+
+    body = await _body(request)
+    protocol.check_fields(
+        body, {"action", "allow_quant_error", "skip_tensor_list", "selector", "http_worker_ipc", "rid"}, "weights_checker"
+    )
+    action = protocol.opt(body, "action", str, "checksum")
+    protocol.opt(body, "allow_quant_error", bool, False)  # used by SGLang's compare only
+    skip = protocol.opt(body, "skip_tensor_list", list, [])
+    if not all(isinstance(s, str) for s in skip):
+        raise BadRequest(f"`skip_tensor_list` must be a list of strings, got {skip!r:.80}.")
+    selector = protocol.opt(body, "selector", str, "all")
+    if selector not in ("target", "draft", "all"):
+        raise BadRequest(f"`selector` must be 'target', 'draft' or 'all', got {selector!r}.")
+    if action != "checksum":
+        message = f"Unsupported action={action!r}: the embedded engine supports only 'checksum'"
+        if action not in WEIGHTS_CHECKER_ACTIONS:
+            message += f" (SGLang's actions: {', '.join(WEIGHTS_CHECKER_ACTIONS)})"
+        return web.json_response({"success": False, "message": message + "."}, status=400)
+    if selector == "draft":
+        return web.json_response({"success": True, "message": "Success."})
+    model = request.app[ENGINE_KEY].model
+    async with request.app[STATE_KEY]["weights_lock"]:
+        return web.json_response(await _blocking(engine_checksum_body, model, skip))
 
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -566,6 +606,7 @@ def build_app(
         "tokenizer": tokenizer, "model_path": model_path, "api_key": api_key,
         "served_model_name": served_model_name or model_path,
         "require_weight_update_session": require_weight_update_session, "weight_update_session": None,
+        "weights_lock": asyncio.Lock(),  # weight updates vs. /weights_checker
     }
     r = app.router
     r.add_post("/generate", generate)
@@ -577,7 +618,7 @@ def build_app(
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
     r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weight_version", update_weight_version)
-    for path, handler in (("/flush_cache", flush_cache),):
+    for path, handler in (("/flush_cache", flush_cache), ("/weights_checker", weights_checker)):
         r.add_get(path, handler, allow_head=False)
         r.add_post(path, handler)
     for path in ("/model_info", "/get_model_info"):
