@@ -74,7 +74,28 @@ class DataSourceConfig:
     datasource_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of ``datasource``."""
     reward: Optional[str] = None
-    """``package.module:function`` ``(sample, trajectory) -> float`` to use instead of the task's reward."""
+    """``package.module:function`` ``(sample, trajectory) -> float`` (or async) to use instead of the
+    task's reward; ``lightning_fasync.data.rewards:math_reward`` is the math-verify one."""
+    reward_timeout: float = 30.0
+    """Seconds one reward call may take; past it the trajectory fails under the group policy
+    (counted in ``rollout/reward_failed``)."""
+    reward_processes: int = 0
+    """Run synchronous rewards in a pool of this many processes (CPU-heavy verifiers; a reward that
+    hangs is killed); 0: in threads, off the producer's event loop."""
+    path: Optional[str] = None
+    """Prompts from local files instead of ``task``: a parquet, jsonl or json file, or a directory
+    of them, read with Hugging Face ``datasets`` (no hub access)."""
+    format: Optional[str] = None
+    """``parquet``, ``json`` (also jsonl); None: from the file extension."""
+    prompt_key: str = "prompt"
+    """Dotted path of the prompt in each record: a string, or a chat message list."""
+    answer_key: Optional[str] = None
+    """Dotted path of the ground truth in each record (e.g. ``reward_model.ground_truth``), handed
+    to the reward as ``sample.metadata["answer"]``."""
+    system_prompt: Optional[str] = None
+    """A system message put before each prompt."""
+    max_prompt_length: Optional[int] = None
+    """Drop prompts longer than this many tokens after the chat template (the count is printed)."""
 
 
 @dataclass
@@ -243,6 +264,31 @@ class ISCorrectionConfig:
     """Upper bound for mode mask."""
 
 
+REFERENCE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ReferenceConfig:
+    """``algorithm.reference.*``: the frozen reference (or teacher) model of the KL term.
+
+    It scores every training call's tokens (``timing/teacher``); the loss adds
+    ``algorithm.kl_coef * k3 KL(pi_theta || pi_ref)``, reported as ``train/ref_kl``. It is never
+    trained, checkpointed or sent to the rollout engines.
+
+    ``validate()`` refuses a non-zero ``kl_coef`` without a reference (the loss could not be
+    computed). A reference with ``kl_coef: 0`` is only a warning, not an error: it is still run,
+    so ``train/ref_kl`` monitors how far the policy drifts from it, at the cost of one forward pass
+    per training call, which is what the warning says.
+    """
+
+    model: Optional[str] = None
+    """The reference: ``policy`` (a frozen copy of the policy's initial weights: a KL penalty), a
+    preset name (``tiny``) or a local Hugging Face directory (e.g. a teacher for on-policy
+    distillation); it must use the policy's tokenizer. None: no reference (``kl_coef`` must be 0)."""
+    dtype: Optional[str] = None
+    """Parameter dtype of the reference: float32, bfloat16 or float16; None: the policy's."""
+
+
 @dataclass
 class AlgorithmConfig:
     """``algorithm.*``: advantages, policy loss and off-policy protection (docs/contract.md §1, §5.1)."""
@@ -260,7 +306,10 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     kl_coef: float = 0.0
-    """KL-to-reference penalty coefficient."""
+    """KL-to-reference penalty coefficient (k3 of KL(pi_theta || pi_ref)); non-zero needs
+    ``algorithm.reference.model``."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The frozen reference / teacher model of the KL term."""
     is_correction: ISCorrectionConfig = field(default_factory=ISCorrectionConfig)
     """Importance-sampling correction."""
     m2po: M2POConfig = field(default_factory=M2POConfig)
@@ -561,6 +610,16 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
                 f"`{key}.num_trajectories_per_prompt` is {src.num_trajectories_per_prompt}; "
                 "it must be a positive integer."
             )
+        if src.path and src.datasource:
+            raise ConfigError(f"`{key}.path` and `{key}.datasource` are both set; prompts come from one of them.")
+        if src.format not in (None, "parquet", "json", "jsonl"):
+            raise ConfigError(f"`{key}.format` is {src.format!r}; it must be parquet, json, jsonl or null (from the extension).")
+        if not src.reward_timeout > 0:
+            raise ConfigError(f"`{key}.reward_timeout` is {src.reward_timeout}; it must be > 0 seconds.")
+        if src.reward_processes < 0:
+            raise ConfigError(f"`{key}.reward_processes` is {src.reward_processes}; it must be >= 0 (0: threads).")
+        if src.max_prompt_length is not None and src.max_prompt_length <= 0:
+            raise ConfigError(f"`{key}.max_prompt_length` is {src.max_prompt_length}; it must be a positive integer or null.")
     if cfg.M <= 0:
         raise ConfigError(f"`trainer.mini_batch_size` is {cfg.M}; it must be a positive integer.")
     if cfg.fully_async.stale_steps < 0:
@@ -646,6 +705,23 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
         raise ConfigError(
             f"`algorithm.loss_agg_mode` is {cfg.algorithm.loss_agg_mode!r}; it must be token-mean, "
             "seq-mean-token-sum or seq-mean-token-mean."
+        )
+    ref = cfg.algorithm.reference
+    if cfg.algorithm.kl_coef != 0 and not ref.model:
+        raise ConfigError(
+            f"`algorithm.kl_coef` is {cfg.algorithm.kl_coef} while `algorithm.reference.model` is not set; "
+            "the KL penalty needs a reference model (e.g. `policy`, a frozen copy of the initial policy)."
+        )
+    if ref.dtype is not None and ref.dtype not in REFERENCE_DTYPES:
+        raise ConfigError(
+            f"`algorithm.reference.dtype` is {ref.dtype!r}; it must be null or one of {', '.join(REFERENCE_DTYPES)}."
+        )
+    if ref.model and cfg.algorithm.kl_coef == 0:
+        warnings.warn(
+            f"`algorithm.reference.model` is {ref.model!r} while `algorithm.kl_coef` is 0; the reference runs on every "
+            "training call (`timing/teacher`) only to report `train/ref_kl`, nothing in the loss uses it.",
+            ConfigWarning,
+            stacklevel=2,
         )
 
     if fa.enable:

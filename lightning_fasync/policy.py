@@ -168,6 +168,21 @@ def build_policy(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple
     return model.eval(), _load_tokenizer(name_or_path)
 
 
+def load_tokenizer(name_or_path: str) -> Any:
+    """The tokenizer of a preset or a local Hugging Face directory, without building the model."""
+    if name_or_path in PRESETS:
+        tokenizer = build_char_tokenizer()
+        if name_or_path == "tiny":
+            tokenizer.chat_template = TINY_CHAT_TEMPLATE
+        return tokenizer
+    if not os.path.isdir(name_or_path):
+        raise ValueError(
+            f"Policy {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
+            "Hugging Face model directory."
+        )
+    return _load_tokenizer(name_or_path)
+
+
 def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

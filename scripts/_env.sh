@@ -20,7 +20,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     read -ra torch_args <<< "$TORCH"
     "$PY" -m pip install --quiet "${torch_args[@]}"
   fi
-  "$PY" -m pip install --quiet -e ".[dev]"
+  "$PY" -m pip install --quiet -e ".[dev,tasks]"
   echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"

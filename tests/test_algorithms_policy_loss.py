@@ -96,7 +96,8 @@ def ref_policy_loss(d, nan_mask, p):
         [math.exp(d["ref"][i][j] - d["lp"][i][j]) - (d["ref"][i][j] - d["lp"][i][j]) - 1 for j in range(t)]
         for i in range(b)
     ]
-    total = pg_loss - p["ent_coef"] * ent + p["kl_coef"] * ref_agg(kl, valid, p["agg"])
+    ref_kl = ref_agg(kl, valid, p["agg"])
+    total = pg_loss - p["ent_coef"] * ent + p["kl_coef"] * ref_kl
     n_valid = sum(sum(row) for row in valid)
     approx = [
         math.expm1(d["lp"][i][j] - d["old"][i][j]) - (d["lp"][i][j] - d["old"][i][j])
@@ -117,6 +118,7 @@ def ref_policy_loss(d, nan_mask, p):
         "train/is_clip_ratio": sum(changed) / len(changed) if changed else 0.0,
         "train/m2po_mask_ratio": m2po_dropped / n_valid if n_valid else 0.0,
         "train/opsm_mask_ratio": opsm_seqs / max(sum(nonempty), 1),
+        "train/ref_kl": ref_kl,  # reported whenever ref_log_probs is given, whatever kl_coef
     }
     return total, metrics
 
@@ -197,7 +199,7 @@ def test_compute_policy_loss_matches_reference(d, p, nan_flags):
     )
     ref_loss, ref_metrics = ref_policy_loss(d, nan_mask, p)
     assert close(loss.item(), ref_loss), (loss.item(), ref_loss)
-    assert set(metrics) == set(LOSS_METRIC_KEYS)
+    assert set(metrics) == set(LOSS_METRIC_KEYS) | {"train/ref_kl"}
     assert all(isinstance(v, float) for v in metrics.values())
     for key, value in ref_metrics.items():
         assert close(metrics[key], value), (key, metrics[key], value)

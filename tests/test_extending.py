@@ -148,7 +148,7 @@ def test_runtime_builds_the_rollout_side_from_the_config(example):
         flow = runtime.controller.producer.flow
         assert isinstance(ds, example.CountdownPrompts) and (ds.letter, ds.max_len) == ("c", 8)
         assert isinstance(flow, example.OneShotFlow)
-        assert flow.reward_fn is example.exact_length_reward
+        assert flow.reward_fn.fn is example.exact_length_reward  # run by the RewardRunner (threads, timeout)
         assert flow.rid_prefix == "countdown-"  # agentflow.flow_args
         assert flow.sampling.stop_token_ids == [example.char_ids()["eos"]]
         assert flow.max_response_length == 16
@@ -186,7 +186,7 @@ def test_custom_rollout_example_trains(example, tmp_path):
     # The rollout side the callback ran was the config's components.
     (callback,) = [c for c in trainer.callbacks if type(c).__name__ == "FullyAsyncCallback"]
     assert isinstance(callback.controller.state.datasource, example.CountdownPrompts)
-    assert callback.controller.producer.flow.reward_fn is example.exact_length_reward
+    assert callback.controller.producer.flow.reward_fn.fn is example.exact_length_reward  # through the RewardRunner
 
     (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
     consumed = [r for r in read_jsonl(os.path.join(log_dir, "ledger.jsonl")) if r["kind"] == "consume"]

@@ -22,7 +22,7 @@ from lightning_fasync.algorithms.losses import (
     ppo_clip_token_loss,
 )
 from lightning_fasync.algorithms.metrics import METRIC_KEYS, grad_norm_metric
-from lightning_fasync.algorithms.policy_loss import LOSS_METRIC_KEYS, compute_policy_loss, policy_loss
+from lightning_fasync.algorithms.policy_loss import LOSS_METRIC_KEYS, REF_METRIC_KEYS, compute_policy_loss, policy_loss
 from lightning_fasync.algorithms.snapshot import OldActorSnapshot
 from lightning_fasync.algorithms.staleness import LAG_BUCKETS, VERSION_LAG_KEYS, version_lag, version_lag_metrics
 
@@ -33,6 +33,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "LOSS_METRIC_KEYS",
     "METRIC_KEYS",
+    "REF_METRIC_KEYS",
     "OldActorSnapshot",
     "VERSION_LAG_KEYS",
     "aggregate_loss",

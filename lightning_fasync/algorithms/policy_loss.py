@@ -26,7 +26,7 @@ from lightning_fasync.algorithms.losses import (
 )
 from lightning_fasync.config import AlgorithmConfig
 
-__all__ = ["LOSS_METRIC_KEYS", "policy_loss", "compute_policy_loss"]
+__all__ = ["LOSS_METRIC_KEYS", "REF_METRIC_KEYS", "policy_loss", "compute_policy_loss"]
 
 LOSS_METRIC_KEYS = (
     "train/loss",
@@ -44,6 +44,11 @@ LOSS_METRIC_KEYS = (
 )
 """Keys of the metrics dict returned by :func:`policy_loss`. ``train/grad_norm`` is not among
 them: it exists only after ``backward()``; see :func:`lightning_fasync.algorithms.metrics.grad_norm_metric`."""
+
+REF_METRIC_KEYS = ("train/ref_kl",)
+"""Keys :func:`policy_loss` adds when it is given ``ref_log_probs`` (whatever ``kl_coef``):
+``train/ref_kl`` is the KL term ``agg(k3(log_probs, ref_log_probs))`` itself, so
+``train/loss = pg_loss - entropy_coef * H + kl_coef * ref_kl``."""
 
 
 def _check(name: str, t: Optional[torch.Tensor], shape: torch.Size) -> None:
@@ -127,9 +132,11 @@ def policy_loss(
 
     Returns:
         ``(loss, metrics)``: a scalar tensor and a dict of Python floats with the keys
-        :data:`LOSS_METRIC_KEYS`. Token fractions (``clip_ratio``, ``dual_clip_ratio``) are over
-        the tokens that contribute to the PG term; ``approx_kl`` (k3 of ``KL(pi_old || pi_theta)``)
-        and ``entropy`` are token means over the valid tokens. Without an ``entropy`` tensor,
+        :data:`LOSS_METRIC_KEYS`, plus :data:`REF_METRIC_KEYS` (``train/ref_kl``, the KL term
+        with the loss's aggregation) when ``ref_log_probs`` is given. Token fractions
+        (``clip_ratio``, ``dual_clip_ratio``) are over the tokens that contribute to the PG term;
+        ``approx_kl`` (k3 of ``KL(pi_old || pi_theta)``) and ``entropy`` are token means over the
+        valid tokens. Without an ``entropy`` tensor,
         ``train/entropy`` is the sampled-token estimate ``-mean(log_probs)``.
 
     Raises:
@@ -233,9 +240,15 @@ def policy_loss(
         entropy_metric = masked_mean(ent.detach(), mask)
     else:
         entropy_metric = -masked_mean(lp.detach(), mask)
-    if ref_log_probs is not None and kl_coef != 0:
-        kl_term = aggregate_loss(k3_kl(lp, clean(ref_log_probs.detach())), mask, loss_agg_mode)
-        loss = loss + kl_coef * kl_term
+    keys = LOSS_METRIC_KEYS
+    if ref_log_probs is not None:
+        # Also with kl_coef == 0 (a reference kept for monitoring): reported, not in the loss.
+        with torch.set_grad_enabled(kl_coef != 0 and torch.is_grad_enabled()):
+            kl_term = aggregate_loss(k3_kl(lp, clean(ref_log_probs.detach())), mask, loss_agg_mode)
+        if kl_coef != 0:
+            loss = loss + kl_coef * kl_term
+        metrics["train/ref_kl"] = kl_term.detach()
+        keys = LOSS_METRIC_KEYS + REF_METRIC_KEYS
 
     contributing = keep & (pg_weight != 0)
     metrics.update(
@@ -249,8 +262,8 @@ def policy_loss(
             "train/nan_ratio": nan_ratio,
         }
     )
-    values = torch.stack([metrics[k].to(device=device, dtype=torch.float64) for k in LOSS_METRIC_KEYS]).tolist()
-    return loss, dict(zip(LOSS_METRIC_KEYS, values))
+    values = torch.stack([metrics[k].to(device=device, dtype=torch.float64) for k in keys]).tolist()
+    return loss, dict(zip(keys, values))
 
 
 def compute_policy_loss(

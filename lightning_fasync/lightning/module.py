@@ -9,8 +9,10 @@ the step boundary and logs them once per rollout step, so nothing here calls ``s
 
 from __future__ import annotations
 
+import copy
 import resource
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -24,7 +26,7 @@ from lightning_fasync.algorithms import (
     mask_offpolicy_tokens,
     version_lag_metrics,
 )
-from lightning_fasync.config import AlgorithmConfig, ConfigError, FasyncConfig
+from lightning_fasync.config import REFERENCE_DTYPES, AlgorithmConfig, ConfigError, FasyncConfig, ReferenceConfig
 from lightning_fasync.lightning.batch import PolicyBatch, RolloutBatch, collate_groups, rollout_dataloader
 from lightning_fasync.lightning.hooks import FullyAsyncHooks
 from lightning_fasync.types import TrajectoryGroup
@@ -67,6 +69,45 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return {"perf/train_memory_allocated_max": rss, "perf/train_memory_reserved_max": rss}
 
 
+REFERENCE_POLICY = "policy"
+"""``algorithm.reference.model: policy``: the reference is a frozen copy of the policy's initial weights."""
+
+
+def build_reference(spec: ReferenceConfig, policy: torch.nn.Module, tokenizer: Any) -> torch.nn.Module:
+    """The frozen reference (or teacher) model of ``algorithm.reference``: in eval mode (no
+    dropout), without gradients, in ``spec.dtype`` (default: the policy's).
+
+    ``policy`` is copied as it is now (at construction: its initial weights) for
+    ``spec.model == "policy"``; any other value is built with :func:`~lightning_fasync.policy.build_policy`
+    and must come with the policy's vocabulary (same tokenizer size and token ids).
+
+    Raises:
+        ConfigError: an unknown dtype, a model that cannot be built, or another vocabulary.
+    """
+    from lightning_fasync.policy import build_policy
+
+    if spec.dtype is not None and spec.dtype not in REFERENCE_DTYPES:
+        raise ConfigError(
+            f"`algorithm.reference.dtype` is {spec.dtype!r}; it must be null or one of {', '.join(REFERENCE_DTYPES)}."
+        )
+    dtype = getattr(torch, spec.dtype) if spec.dtype is not None else next(policy.parameters()).dtype
+    if spec.model == REFERENCE_POLICY:
+        reference = copy.deepcopy(policy).to(dtype)
+    else:
+        try:
+            reference, ref_tokenizer = build_policy(spec.model, dtype=dtype)
+        except ValueError as exc:
+            raise ConfigError(f"`algorithm.reference.model` is {spec.model!r}: {exc}") from None
+        if len(ref_tokenizer) != len(tokenizer) or ref_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ConfigError(
+                f"`algorithm.reference.model` is {spec.model!r}, whose tokenizer ({len(ref_tokenizer)} tokens) is not the "
+                f"policy's ({len(tokenizer)} tokens); the reference must score the same token ids, so use a model with "
+                "the policy's vocabulary."
+            )
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -103,15 +144,25 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             ``warmup_steps`` calls of linear warm-up.
         warmup_steps: training calls of linear warm-up (0: none).
         min_lr_ratio: the decayed schedules' final learning rate, as a share of ``lr``.
-        algorithm: ``algorithm.*``: advantages, policy loss, off-policy corrections (default:
-            the spec's defaults). ``lightning-fasync fit`` links the top-level keys here.
+        algorithm: ``algorithm.*``: advantages, policy loss, off-policy corrections, and the
+            reference model of the KL term (default: the spec's defaults). ``lightning-fasync fit``
+            links the top-level keys here.
         use_rollout_log_probs: ``trainer.use_rollout_log_probs``.
         mask_offpolicy_in_partial_rollout: ``rollout.mask_offpolicy_in_partial_rollout``.
         rollout_temperature: ``rollout.temperature``: the policy's log-probs are taken at the
             temperature the engines sampled at, as the engines report them.
 
-    :meth:`algorithm_args` gives the last three from a plugin config; the drivers refuse a config
+    :meth:`algorithm_args` gives the last four from a plugin config; the drivers refuse a config
     that disagrees with them (:meth:`check_fasync_config`).
+
+    With ``algorithm.reference.model`` set the module holds a frozen reference (:attr:`reference`,
+    see :func:`build_reference`) that scores each training call's tokens at the rollout
+    temperature (``timing/teacher``, ``train/ref_kl``; ``algorithm.kl_coef`` weighs the KL term).
+    It is deliberately not a registered submodule: it is not in ``parameters()`` (so not in the
+    optimizer), not in ``state_dict()`` (so not in checkpoints, whose keys are the same with or
+    without a reference), not in ``engine_state_dict()``, and ``train()`` never reaches it; it
+    follows the module's device and dtype moves (:meth:`_apply`). It is rebuilt at construction,
+    so on resume ``policy`` is again the initial weights, not the checkpoint's.
     """
 
     def __init__(
@@ -146,11 +197,45 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         if not rollout_temperature > 0:
             raise ConfigError(f"`rollout.temperature` is {rollout_temperature}; training needs a sampled rollout (> 0).")
         self.rollout_temperature = rollout_temperature
+        ref = self.algorithm.reference
+        if self.algorithm.kl_coef != 0 and not ref.model:
+            raise ConfigError(
+                f"`algorithm.kl_coef` is {self.algorithm.kl_coef} while `algorithm.reference.model` is not set; "
+                "the KL penalty needs a reference model (e.g. `policy`, a frozen copy of the initial policy)."
+            )
         self.model_name_or_path = model
         self.policy, self.tokenizer = build_policy(model)
+        # Kept out of nn.Module's registry (see the class docstring): __dict__, not setattr. Built
+        # from the policy as built, i.e. its initial weights.
+        self.__dict__["_reference"] = build_reference(ref, self.policy, self.tokenizer) if ref.model else None
         self.policy.train()
         self.snapshot = OldActorSnapshot(self.policy, offload_to_cpu=snapshot_offload)
         self._metrics: dict[str, float] = {}
+
+    @property
+    def reference(self) -> Optional[torch.nn.Module]:
+        """The frozen reference / teacher model, or None without ``algorithm.reference.model``."""
+        return self.__dict__.get("_reference")
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        # .to(device) / .cuda() / .half() of the module also move the unregistered reference.
+        super()._apply(fn, recurse)
+        if self.reference is not None:
+            self.reference._apply(fn)
+        return self
+
+    def reference_log_probs(self, data: PolicyBatch) -> tuple[torch.Tensor, float]:
+        """The reference's token log-probs at the rollout temperature, without a graph, and the
+        seconds they took (CUDA synchronized on GPU, so the time is the reference's own)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            ref_log_probs, _ = token_log_probs(self.reference, data, temperature=self.rollout_temperature)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return ref_log_probs, time.perf_counter() - start
 
     @staticmethod
     def algorithm_args(cfg: FasyncConfig) -> dict[str, Any]:
@@ -171,7 +256,8 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
 
     @override
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights pushed to the engines at each step boundary (Hugging Face names)."""
+        """The weights pushed to the engines at each step boundary (Hugging Face names): the
+        policy's only, never the reference's."""
         return {k: v.detach() for k, v in self.policy.state_dict().items()}
 
     @override
@@ -255,6 +341,10 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         else:
             with torch.no_grad(), self.snapshot.use_old_weights():
                 old_log_probs, _ = token_log_probs(self.policy, data, temperature=self.rollout_temperature)
+        ref_log_probs, teacher_s = None, None
+        if self.reference is not None:
+            # Also with kl_coef 0 (validate warns): then only reported as train/ref_kl.
+            ref_log_probs, teacher_s = self.reference_log_probs(data)
         log_probs, entropy = token_log_probs(self.policy, data, with_entropy=True, entropy_grad=algo.entropy_coef != 0.0,
                                              temperature=self.rollout_temperature)
         loss, metrics = compute_policy_loss(
@@ -265,8 +355,11 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             mask,
             algo,
             entropy=entropy,
+            ref_log_probs=ref_log_probs,
             nan_mask=nan_mask,
         )
+        if teacher_s is not None:
+            metrics["timing/teacher"] = teacher_s  # seconds of this call; the step sums timing/*
         if batch.rollout_step >= 0:
             # How old the trained tokens are, and how the corrections behave at each lag.
             metrics.update(

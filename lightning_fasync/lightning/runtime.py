@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
+import warnings
 import shutil
 import tempfile
 from typing import Any, Callable, Mapping, Optional
@@ -75,10 +77,38 @@ class RolloutRuntime:
         self._closed = False
         src = cfg.sources[0]
         self._task: Any = None
+        self._engine_model = engine_model
+        self._tokenizer: Any = None
         if datasource is None:
             datasource = self._build_datasource()
         if reward is None:
-            reward = load_object(src.reward, "data_source.reward") if src.reward else self.task.reward
+            if src.reward:
+                reward = load_object(src.reward, "data_source.reward")
+            elif src.path or src.datasource:
+                raise ConfigError(
+                    f"`data_source.{'path' if src.path else 'datasource'}` is set but `data_source.reward` is not; name "
+                    "the reward, e.g. lightning_fasync.data.rewards:math_reward (math-verify) or "
+                    "lightning_fasync.data.gym:gym_reward (reasoning-gym)."
+                )
+            else:
+                reward = self.task.reward
+        from lightning_fasync.pipeline.reward_runner import RewardRunner
+
+        if src.reward_processes == 0 and getattr(reward, "__module__", "") == "lightning_fasync.data.rewards":
+            warnings.warn(
+                "`data_source.reward` is a math-verify reward and `data_source.reward_processes` is 0: a pathological "
+                "answer (a tower of powers) can hold the GIL for minutes in threads, past its timeout; set "
+                "`data_source.reward_processes` to 1 or more.",
+                stacklevel=2,
+            )
+
+        # Off the producer's event loop (threads, or processes for CPU-heavy verifiers), with a
+        # per-call timeout; text-level rewards find the decoded response in trajectory.metadata.
+        self.reward_runner = RewardRunner(
+            reward, timeout_s=src.reward_timeout, processes=src.reward_processes,
+            tokenizer=self._try_tokenizer(), name="data_source.reward",
+        )
+        reward = self.reward_runner
         context = cfg.rollout.sglang_args.context_length
         if context is None:
             longest = datasource.max_prompt_length
@@ -122,17 +152,25 @@ class RolloutRuntime:
                                           generate_timeout_s=cfg.rollout.request_timeout)
             if flow is None:
                 stop = cfg.rollout.stop_token_ids
+                if stop is None:
+                    if src.path or (src.datasource and self._try_tokenizer() is not None):
+                        from lightning_fasync.data.files import stop_token_ids
+
+                        stop = stop_token_ids(self.tokenizer)
+                    else:
+                        stop = self.task.stop_token_ids
                 sampling = SamplingParams(
                     temperature=cfg.rollout.temperature,
                     top_p=cfg.rollout.top_p,
                     top_k=cfg.rollout.top_k,
-                    stop_token_ids=list(stop if stop is not None else self.task.stop_token_ids),
+                    stop_token_ids=list(stop),
                 )
                 flow = instantiate(
                     cfg.agentflow.flow, "agentflow.flow", cfg.agentflow.flow_args,
                     client=client, sampling=sampling, max_response_length=cfg.rollout.max_response_length, reward_fn=reward,
                 )
             self.controller = FullyAsyncController(cfg, datasource, flow, client, log_dir=log_dir)
+            self.controller.metric_sources.append(self.reward_runner.metrics)
             if self.pool is not None:
                 er = cfg.rollout.engine_restart
                 state = self.controller.state
@@ -146,6 +184,7 @@ class RolloutRuntime:
         except BaseException:
             if self.pool is not None:
                 self.pool.stop()
+            self.reward_runner.close()
             raise
 
     @property
@@ -158,10 +197,43 @@ class RolloutRuntime:
             self._task = make_task(src.task, **src.task_args)
         return self._task
 
+    @property
+    def tokenizer(self) -> Any:
+        """The policy's tokenizer (that of ``engine_model``), loaded on first use."""
+        if self._tokenizer is None:
+            if not self._engine_model:
+                raise ConfigError(
+                    "The datasource needs the policy's tokenizer, but the runtime was not given engine_model= "
+                    "(a preset or a local Hugging Face directory)."
+                )
+            from lightning_fasync.policy import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self._engine_model)
+        return self._tokenizer
+
+    def _try_tokenizer(self) -> Any:
+        try:
+            return self.tokenizer
+        except (ConfigError, ValueError, OSError):
+            return None
+
     def _build_datasource(self) -> DataSource:
         src = self.cfg.sources[0]
+        if src.path:
+            from lightning_fasync.data.files import FileDataSource
+
+            return FileDataSource(
+                src.path, self.tokenizer, prompt_key=src.prompt_key, answer_key=src.answer_key,
+                system_prompt=src.system_prompt, max_prompt_length=src.max_prompt_length, format=src.format,
+                shuffle=src.shuffle, seed=src.seed,
+            )
         if src.datasource:
-            ds = instantiate(src.datasource, "data_source.datasource", src.datasource_args)
+            factory = load_object(src.datasource, "data_source.datasource")
+            # A datasource that renders prompts takes the policy's tokenizer (unless its args give one).
+            injected = {}
+            if "tokenizer" not in src.datasource_args and "tokenizer" in inspect.signature(factory).parameters:
+                injected["tokenizer"] = self.tokenizer
+            ds = instantiate(src.datasource, "data_source.datasource", src.datasource_args, **injected)
             if not isinstance(ds, DataSource):
                 raise ConfigError(f"`data_source.datasource` built a {type(ds).__name__}, which is not a DataSource.")
             return ds
@@ -252,5 +324,6 @@ class RolloutRuntime:
                 self.pool.stop()
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
+        self.reward_runner.close()
         if raise_errors and errors:
             raise errors[0]
