@@ -13,9 +13,9 @@ import asyncio
 import contextlib
 import inspect
 import os
-import warnings
 import shutil
 import tempfile
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import torch
