@@ -81,6 +81,8 @@ class RolloutRuntime:
         self._tokenizer: Any = None
         if datasource is None:
             datasource = self._build_datasource()
+        # The synthetic task's reward reads token ids: no decoding of every response for it.
+        decode = True
         if reward is None:
             if src.reward:
                 reward = load_object(src.reward, "data_source.reward")
@@ -91,7 +93,7 @@ class RolloutRuntime:
                     "lightning_fasync.data.gym:gym_reward (reasoning-gym)."
                 )
             else:
-                reward = self.task.reward
+                reward, decode = self.task.reward, False
         from lightning_fasync.pipeline.reward_runner import RewardRunner
 
         if src.reward_processes == 0 and getattr(reward, "__module__", "") == "lightning_fasync.data.rewards":
@@ -106,7 +108,7 @@ class RolloutRuntime:
         # per-call timeout; text-level rewards find the decoded response in trajectory.metadata.
         self.reward_runner = RewardRunner(
             reward, timeout_s=src.reward_timeout, processes=src.reward_processes,
-            tokenizer=self._try_tokenizer(), name="data_source.reward",
+            tokenizer=self._try_tokenizer() if decode else None, name="data_source.reward",
         )
         reward = self.reward_runner
         context = cfg.rollout.sglang_args.context_length

@@ -69,7 +69,11 @@ class GenerateResult:
 
 
 class EngineError(RuntimeError):
-    """An engine call failed after the client's retries."""
+    """An engine call failed after the client's retries; ``status`` is the HTTP status, if any."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineFault(EngineError):

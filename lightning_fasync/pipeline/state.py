@@ -168,18 +168,18 @@ class PipelineState:
 
     def set_error(self, exc: BaseException) -> None:
         """Record a background thread's exception; the main thread re-raises it at its next call."""
-        with self.cond:
-            if self._error is None:
-                self._error = exc
-            self.cond.notify_all()
-            self._fetch_cv.notify_all()
+        self._record("_error", exc)
         self._wake_producer()
 
     def set_fault(self, exc: BaseException) -> None:
         """The engines are lost for good (see ``fault``); any thread."""
+        self._record("fault", exc)
+
+    def _record(self, attr: str, exc: BaseException) -> None:
+        """Keep the first ``exc`` in ``attr`` and wake every main-thread wait."""
         with self.cond:
-            if self.fault is None:
-                self.fault = exc
+            if getattr(self, attr) is None:
+                setattr(self, attr, exc)
             self.cond.notify_all()
             self._fetch_cv.notify_all()
 

@@ -177,12 +177,12 @@ class SGLangClient(EngineClient):
                 async with session.request(method, url, json=body, timeout=client_timeout) as resp:
                     text = await resp.text()
                     if resp.status in RETRYABLE_STATUS:
-                        last = EngineError(f"{method} {url} answered {resp.status}: {text[:500]}")
+                        last = EngineError(f"{method} {url} answered {resp.status}: {text[:500]}", status=resp.status)
                         continue
                     if resp.status == 404 and missing_ok:
                         return None
                     if resp.status != 200:
-                        raise EngineError(f"{method} {url} answered {resp.status}: {text[:500]}")
+                        raise EngineError(f"{method} {url} answered {resp.status}: {text[:500]}", status=resp.status)
                     if resp.content_type == "application/json":
                         return await resp.json()
                     return text
@@ -279,7 +279,7 @@ class SGLangClient(EngineClient):
                 if not isinstance(exc, EngineUnavailable):
                     # A router answers 500 for a request whose worker died under it; any other
                     # error, or a 500 while the serving set stays as it was, is the request's own.
-                    if not any(f"answered {s}:" in str(exc) for s in LOST_WORKER_STATUS) or not await self._set_changed(serving):
+                    if exc.status not in LOST_WORKER_STATUS or not await self._set_changed(serving):
                         raise
                 if self.workers.abort_epoch != epoch:
                     return None

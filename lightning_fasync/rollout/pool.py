@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import threading
+import time
 import urllib.error
 import urllib.request
 from typing import Any, Callable, Optional, Sequence
@@ -263,8 +264,6 @@ class RolloutPool:
         """Put ``url`` behind the router (``POST /workers``) and wait until the router lists it healthy."""
         if self.router is None:
             return
-        import time
-
         body: dict[str, Any] = {"url": url}
         if self.api_key:
             body["api_key"] = self.api_key

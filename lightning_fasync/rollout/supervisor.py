@@ -193,11 +193,6 @@ class EngineSupervisor:
             if t is not None and t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
 
-    @property
-    def outage(self) -> bool:
-        """True while no replica serves."""
-        return not self.pool.workers.available()
-
     def metrics(self) -> dict[str, float]:
         """``rollout/engines_live`` and the restart counts so far (read on the main thread)."""
         return {
