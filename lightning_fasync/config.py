@@ -10,8 +10,9 @@ from __future__ import annotations
 import importlib
 import warnings
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
+from lightning_fasync.agents.sandbox import SandboxLimits
 from lightning_fasync.pipeline.window import available_strategies, pipeline_capacity
 
 
@@ -148,6 +149,23 @@ class SGLangArgs:
     context_length: Optional[int] = None
     """Prompt + response tokens per request (SGLang ``--context-length``); None: the datasource's
     longest prompt + ``rollout.max_response_length`` + 1."""
+    mem_fraction_static: Optional[float] = None
+    """``rollout.backend: sglang`` only: fraction of GPU memory for weights and KV cache (SGLang
+    ``--mem-fraction-static``); None keeps SGLang's default."""
+    skip_server_warmup: bool = True
+    """``rollout.backend: sglang`` only: pass ``--skip-server-warmup`` (the trainer's first weight sync
+    comes before any generation anyway)."""
+    weight_version: Optional[str] = None
+    """``rollout.backend: sglang`` only: label of the weights a server loads at start (SGLang
+    ``--weight-version``): ``default`` or an integer; None keeps SGLang's ``default`` (read as version 0).
+    The trainer's first sync relabels them."""
+    port: Optional[int] = None
+    """``rollout.backend: sglang`` only: port of the first server on 127.0.0.1 (server i listens on
+    port + i); None: free ports."""
+    extra: Union[dict[str, Any], list[str]] = field(default_factory=dict)
+    """``rollout.backend: sglang`` only: more ``sglang.launch_server`` arguments, passed through
+    verbatim: a list of command-line tokens (``["--ep-size", "4"]``), or a dict where ``ep_size: 4``
+    becomes ``--ep-size 4``, ``true`` a bare flag, ``false``/null nothing and a list one value after another."""
 
 
 @dataclass
@@ -201,8 +219,31 @@ class RolloutConfig:
     request_timeout: float = 600.0
     """Seconds one generate call may take, step-boundary pauses included; past it the request fails
     (a hung engine) and its trajectory follows the group policy like any engine error."""
+    weight_sync: str = "auto"
+    """How the trainer's weights reach the engines at each step boundary (docs/weight_sync.md):
+    ``distributed`` (a weight-update group from trainer rank 0 to every engine, bucketed broadcasts;
+    NCCL on GPUs, gloo on CPU), ``tensor`` (same host: SGLang's serialised tensors in shared memory or
+    CUDA IPC), ``disk`` (a Hugging Face safetensors directory) or ``auto``: ``tensor`` for the embedded
+    backend, ``distributed`` for the others. ``FullyAsyncStrategy(weight_sync=...)`` overrides it."""
+    weight_sync_bucket_mb: int = 512
+    """The most MiB of weights per bucket (one broadcast, one serialised payload or one safetensors
+    shard); a larger tensor goes alone. Bigger buckets mean fewer round trips and more memory held."""
     engine_restart: EngineRestartConfig = field(default_factory=EngineRestartConfig)
     """Engine and router fault handling (embedded engines)."""
+    backend: str = "embedded"
+    """Who runs the rollout engines (docs/backends.md): ``embedded`` (this package's engine, started per
+    replica), ``sglang`` (one ``python -m sglang.launch_server`` per replica of ``rollout.sglang_replicas``
+    on its GPUs, sglang-router in front of several) or ``external`` (servers someone else runs, at
+    ``rollout.engine_urls``)."""
+    engine_urls: list[str] = field(default_factory=list)
+    """``rollout.backend: external`` only: every server's URL (``http://host:port``); weight updates,
+    pauses and aborts go to each."""
+    router_url: Optional[str] = None
+    """``rollout.backend: external`` only: the sglang-router in front of ``engine_urls``, where
+    generation requests go; None: the first engine URL."""
+    engine_startup_timeout: float = 180.0
+    """Seconds each engine server (or external URL) has to answer ``/health`` at start; past it the run
+    stops with the server's log tail."""
 
 
 @dataclass
@@ -224,6 +265,14 @@ class AgentFlowConfig:
     ``max_response_length``, ``reward_fn`` and ``flow_args`` (see docs/extending.md)."""
     flow_args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of ``flow``."""
+    max_turns: int = 4
+    """Multi-turn flows (``lightning_fasync.agents.flow:ToolAgentFlow``): policy turns per episode, each one
+    engine request; an episode still calling tools after this many is truncated."""
+    tools: list[str] = field(default_factory=lambda: ["calculator", "python"])
+    """Tool-using flows: the tools offered, ``calculator`` (arithmetic, in-process) and ``python`` (code run
+    in the sandbox); docs/agents.md."""
+    sandbox: SandboxLimits = field(default_factory=SandboxLimits)
+    """Tool-using flows: limits of each sandboxed run of the ``python`` tool (docs/agents.md)."""
 
 
 @dataclass
@@ -265,6 +314,8 @@ class ISCorrectionConfig:
 
 
 REFERENCE_DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_SYNC_CHOICES = ("auto", "distributed", "tensor", "disk")
+"""The values of ``rollout.weight_sync`` (``rollout/weight_sync.py`` implements the last three)."""
 
 
 @dataclass
@@ -319,6 +370,53 @@ class AlgorithmConfig:
 
 
 @dataclass
+class EvalSamplingConfig:
+    """``eval.sampling.*``: how eval responses are generated."""
+
+    greedy: bool = True
+    """Greedy decoding (SGLang's temperature 0); false samples with ``temperature``, ``top_p`` and ``top_k``."""
+    temperature: float = 1.0
+    """Sampling temperature when ``greedy`` is false."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold when ``greedy`` is false."""
+    top_k: int = -1
+    """Top-k sampling when ``greedy`` is false; -1 disables it."""
+    n: int = 1
+    """Samples per prompt; greedy decoding needs 1 (its samples would be identical)."""
+    max_response_length: Optional[int] = None
+    """Maximum number of response tokens of an eval sample; None: ``rollout.max_response_length``."""
+
+
+@dataclass
+class EvalConfig:
+    """``eval.*``: evaluation of the current weights on the rollout engines at step boundaries,
+    outside the training pipeline's accounting (docs/tasks.md, "Evaluation during training")."""
+
+    every_n_steps: int = 0
+    """Evaluate after every this many rollout steps (after steps n-1, 2n-1, ... counted from 0, as
+    ``trainer.save_freq`` saves), once the new weights are synced; 0: never."""
+    at_start: bool = False
+    """Also evaluate the starting weights before the first step (logged at step = first step - 1)."""
+    at_end: bool = False
+    """Also evaluate after the run's last step (``trainer.rollout_steps`` / ``max_steps``, or the Fabric
+    loop's ``rollout_steps``)."""
+    data_source: list[DataSourceConfig] = field(default_factory=list)
+    """The eval sets: data sources as ``data_source`` (task, files or a datasource; ``num_prompts``,
+    ``seed``, ``reward``), at most ``num_prompts`` prompts of each one's first epoch; metrics go
+    under ``val/<name>/``."""
+    sampling: EvalSamplingConfig = field(default_factory=EvalSamplingConfig)
+    """How eval responses are generated."""
+    accuracy_threshold: float = 1.0
+    """A sample counts as correct in ``val/<name>/accuracy`` when its reward is >= this."""
+    timeout: float = 600.0
+    """Seconds one evaluation (every eval set) may take; past it the run fails."""
+
+
+EVAL_SOURCE_NAME = r"^[A-Za-z0-9_.-]+$"
+"""What an eval set's name may be: one segment of its metric names (``val/<name>/accuracy``)."""
+
+
+@dataclass
 class FasyncConfig:
     """The whole plugin configuration; key names follow the spec's section 1 table."""
 
@@ -326,6 +424,13 @@ class FasyncConfig:
     """Fully-async switch and scheduling."""
     colocate: bool = True
     """Rollout and trainer share one resource pool. Must be false for fully-async."""
+    colocate_offload: Union[bool, Literal["auto"]] = "auto"
+    """Colocate mode only: around each training phase the engines release their weights and KV cache
+    (SGLang's /release_memory_occupation, servers started with --enable-memory-saver) and the trainer
+    moves model and optimizer state onto its device and back, each stage timed (timing/offload_rollout,
+    timing/onload_train, timing/offload_train, timing/onload_rollout_weights, timing/onload_rollout_kv;
+    docs/colocate.md). auto: on when the trainer's device is CUDA; true also on CPU, where the trainer
+    has nothing to move."""
     run_mode: str = "default"
     """Entry mode. Only default is supported (the spec's train-only and rollout-only are refused)."""
     data_source: DataSourceConfig = field(default_factory=DataSourceConfig)
@@ -340,6 +445,8 @@ class FasyncConfig:
     """Agent flow and router limits."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantages, loss and off-policy corrections."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation at step boundaries."""
 
     # ---- derived quantities -----------------------------------------------------------------
 
@@ -390,10 +497,11 @@ GROUPS: dict[str, type] = {
     "rollout": RolloutConfig,
     "agentflow": AgentFlowConfig,
     "algorithm": AlgorithmConfig,
+    "eval": EvalConfig,
 }
 """The plugin's config groups (docs/contract.md §1), by top-level key."""
 
-SCALARS = ("colocate", "run_mode", "data_sources")
+SCALARS = ("colocate", "colocate_offload", "run_mode", "data_sources")
 """The plugin's top-level keys that are not groups."""
 
 
@@ -428,6 +536,8 @@ def add_config_arguments(parser: Any, skip_trainer: Sequence[str] = ()) -> None:
             # dict default keeps a saved config.yaml reusable.
             parser.set_defaults({"rollout.sglang_replicas": {k: asdict(v) for k, v in RolloutConfig().sglang_replicas.items()}})
     parser.add_argument("--colocate", type=bool, default=True, help=docs["colocate"])
+    parser.add_argument("--colocate_offload", type=Union[bool, Literal["auto"]], default="auto",
+                        help=docs["colocate_offload"])
     parser.add_argument("--run_mode", type=str, default="default", help=docs["run_mode"])
     parser.add_argument("--data_sources", type=Optional[list[DataSourceConfig]], default=None, help=docs["data_sources"])
 
@@ -452,6 +562,7 @@ def config_from_namespace(ns: Any, **sections: type) -> tuple["FasyncConfig", di
     cfg = FasyncConfig(
         **groups,
         colocate=values.get("colocate", True),
+        colocate_offload=values.get("colocate_offload", "auto"),
         run_mode=values.get("run_mode", "default"),
         data_sources=None if sources is None else [_dataclass(DataSourceConfig, s) for s in sources],
     )
@@ -555,6 +666,13 @@ def _config_error_sentence(exc: BaseException) -> str:
         cls = GROUPS.get(group.split(".")[0])
         known = f"; the keys under `{group}` are: {', '.join(f.name for f in fields(cls))}" if cls and "." not in group else ""
         return f"`{group}.{key}` is not a configuration key{known}."
+    m = re.search(r'[Kk]ey "([\w.\[\]]+)": Does not validate against any of the Union subtypes Subtypes: \[(.*?)\] '
+                  r'Errors:.*Given value: (.*)$', text)
+    if m:
+        key, kinds, got = m.groups()
+        # "<class 'bool'>, typing.Literal['auto']" -> "true or false, 'auto'"
+        kinds = re.sub(r"typing\.Literal\[(.*?)\]", r"\1", kinds.replace("<class 'bool'>", "true or false"))
+        return f"`{key}` is {got.strip()!r}; it must be one of: {kinds}."
     m = re.search(r"^Option '([\w.]+)' is not accepted", text)
     if m:
         top = sorted([*GROUPS, *SCALARS])
@@ -575,6 +693,77 @@ def _config_error_sentence(exc: BaseException) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def validate_backend(cfg: FasyncConfig) -> None:
+    """Refuse a ``rollout.backend`` configuration that cannot run (part of :func:`validate`; what
+    depends on this host, the model, CUDA and SGLang, is checked when the run starts, by
+    ``rollout.backends.check_sglang_backend``).
+
+    Raises:
+        ConfigError: one sentence naming the key, the value given and the rule.
+    """
+    from lightning_fasync.rollout.backends import BACKENDS, check_extra
+
+    ro, sa = cfg.rollout, cfg.rollout.sglang_args
+    if ro.backend not in BACKENDS:
+        raise ConfigError(f"`rollout.backend` is {ro.backend!r}; it must be one of {', '.join(BACKENDS)}.")
+    if not ro.engine_startup_timeout > 0:
+        raise ConfigError(f"`rollout.engine_startup_timeout` is {ro.engine_startup_timeout}; it must be > 0 seconds.")
+    if ro.backend != "external":
+        for key in ("engine_urls", "router_url"):
+            if getattr(ro, key):
+                raise ConfigError(
+                    f"`rollout.{key}` is {getattr(ro, key)!r} while `rollout.backend` is {ro.backend}; it names servers "
+                    "someone else runs, read only with rollout.backend: external."
+                )
+    if ro.backend != "sglang":
+        defaults = SGLangArgs()
+        for key in ("mem_fraction_static", "skip_server_warmup", "weight_version", "port", "extra"):
+            if getattr(sa, key) != getattr(defaults, key):
+                raise ConfigError(
+                    f"`rollout.sglang_args.{key}` is {getattr(sa, key)!r} while `rollout.backend` is {ro.backend}; it "
+                    "is an argument of the SGLang servers the plugin launches, used only with rollout.backend: sglang."
+                )
+    if ro.backend == "external":
+        if not ro.engine_urls:
+            raise ConfigError("`rollout.engine_urls` is empty while `rollout.backend` is external; list every server's URL.")
+        for key, url in [*((f"engine_urls[{i}]", u) for i, u in enumerate(ro.engine_urls)), ("router_url", ro.router_url)]:
+            if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+                raise ConfigError(f"`rollout.{key}` is {url!r}; it must be an http:// or https:// URL.")
+    if ro.backend == "sglang":
+        if not ro.sglang_replicas:
+            raise ConfigError("`rollout.sglang_replicas` is empty while `rollout.backend` is sglang; name at least one replica kind.")
+        if ro.num_gpus_per_node <= 0:
+            raise ConfigError(f"`rollout.num_gpus_per_node` is {ro.num_gpus_per_node}; it must be a positive integer.")
+        for kind, rep in ro.sglang_replicas.items():
+            key = f"rollout.sglang_replicas.{kind}"
+            if rep.num_nodes != 1:
+                raise ConfigError(
+                    f"`{key}.num_nodes` is {rep.num_nodes} while `rollout.backend` is sglang; the plugin launches servers "
+                    "on this host only (1), launch them on other nodes yourself and use rollout.backend: external."
+                )
+            if rep.num_gpus_per_replica <= 0 or ro.num_gpus_per_node % rep.num_gpus_per_replica:
+                raise ConfigError(
+                    f"`{key}.num_gpus_per_replica` is {rep.num_gpus_per_replica}; it must be a positive divisor of "
+                    f"`rollout.num_gpus_per_node` ({ro.num_gpus_per_node})."
+                )
+        if sa.mem_fraction_static is not None and not 0 < sa.mem_fraction_static < 1:
+            raise ConfigError(
+                f"`rollout.sglang_args.mem_fraction_static` is {sa.mem_fraction_static}; it must be in (0, 1) or null."
+            )
+        if sa.weight_version is not None and sa.weight_version != "default" and not str(sa.weight_version).isdigit():
+            raise ConfigError(
+                f"`rollout.sglang_args.weight_version` is {sa.weight_version!r}; it must be default, a non-negative "
+                "integer or null (the pipeline reads weight versions as integers)."
+            )
+        replicas = sum(ro.num_gpus_per_node // r.num_gpus_per_replica for r in ro.sglang_replicas.values())
+        if sa.port is not None and not 1 <= sa.port <= 65536 - replicas:
+            raise ConfigError(
+                f"`rollout.sglang_args.port` is {sa.port}; it must be a TCP port (server i listens on port + i, "
+                f"{replicas} servers) or null (free ports)."
+            )
+        check_extra(sa.extra)
+
+
 def import_plugins(cfg: FasyncConfig) -> None:
     """Import ``fully_async.plugins`` so custom strategies register before validation."""
     for module in cfg.fully_async.plugins:
@@ -585,6 +774,16 @@ def import_plugins(cfg: FasyncConfig) -> None:
                 f"`fully_async.plugins` lists {module!r}, which cannot be imported ({exc}); "
                 "each entry must be an importable Python module."
             ) from exc
+
+
+def colocate_offload_enabled(cfg: FasyncConfig, device_type: str) -> bool:
+    """Whether the colocate step offloads (``colocate_offload``) for a trainer on ``device_type``
+    (``cuda``, ``cpu``, ...): never outside colocate mode; ``auto`` exactly on CUDA."""
+    if cfg.fully_async.enable or not cfg.colocate:
+        return False
+    if cfg.colocate_offload == "auto":
+        return device_type == "cuda"
+    return cfg.colocate_offload is True
 
 
 def validate(cfg: FasyncConfig) -> FasyncConfig:
@@ -689,9 +888,19 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
         raise ConfigError(
             f"`agentflow.router.max_connections` is {cfg.agentflow.router.max_connections}; it must be positive."
         )
+    validate_agentflow(cfg)
     mrr = cfg.rollout.sglang_args.max_running_requests
     if mrr is not None and mrr <= 0:
         raise ConfigError(f"`rollout.sglang_args.max_running_requests` is {mrr}; it must be positive or null.")
+    validate_backend(cfg)
+    if cfg.rollout.weight_sync not in WEIGHT_SYNC_CHOICES:
+        raise ConfigError(
+            f"`rollout.weight_sync` is {cfg.rollout.weight_sync!r}; it must be one of {', '.join(WEIGHT_SYNC_CHOICES)}."
+        )
+    if cfg.rollout.weight_sync_bucket_mb <= 0:
+        raise ConfigError(
+            f"`rollout.weight_sync_bucket_mb` is {cfg.rollout.weight_sync_bucket_mb}; it must be a positive number of MiB."
+        )
     if cfg.rollout.max_response_length <= 0:
         raise ConfigError(
             f"`rollout.max_response_length` is {cfg.rollout.max_response_length}; it must be positive."
@@ -735,6 +944,15 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
                 f"`rollout.sampler.num_oversample` is {cfg.rollout.sampler.num_oversample} while "
                 "`fully_async.enable` is true; it must be 0, extra in-flight capacity comes from fully_async.stale_steps."
             )
+    offload = cfg.colocate_offload
+    if offload not in (True, False, "auto"):
+        raise ConfigError(f"`colocate_offload` is {offload!r}; it must be true, false or auto.")
+    if offload is True and (fa.enable or not cfg.colocate):
+        on = "`fully_async.enable` is true" if fa.enable else "`colocate` is false"
+        raise ConfigError(
+            f"`colocate_offload` is true while {on}; offloading only applies when rollout and training take turns on "
+            "shared devices (colocate: true, fully_async.enable: false)."
+        )
     if M % N != 0:
         warnings.warn(
             f"`trainer.mini_batch_size` is {M}, not a multiple of N = {N}; the spec recommends M % N == 0 "
@@ -742,4 +960,96 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
             ConfigWarning,
             stacklevel=2,
         )
+    validate_eval(cfg)
     return cfg
+
+
+def validate_agentflow(cfg: FasyncConfig) -> None:
+    """Refuse an ``agentflow.*`` tool or turn setting that cannot run (part of :func:`validate`).
+
+    Raises:
+        ConfigError: one sentence naming the key, the value given and the rule.
+    """
+    from lightning_fasync.agents.tools import TOOLS
+
+    af = cfg.agentflow
+    if af.max_turns < 1:
+        raise ConfigError(f"`agentflow.max_turns` is {af.max_turns}; it must be >= 1 (policy turns per episode).")
+    for i, name in enumerate(af.tools):
+        if name not in TOOLS:
+            raise ConfigError(f"`agentflow.tools[{i}]` is {name!r}; it must be one of {', '.join(TOOLS)}.")
+    if len(set(af.tools)) != len(af.tools):
+        raise ConfigError(f"`agentflow.tools` is {af.tools!r}; each tool may be listed once.")
+    for key, value in asdict(af.sandbox).items():
+        if not value > 0:
+            raise ConfigError(f"`agentflow.sandbox.{key}` is {value}; it must be > 0.")
+
+
+def validate_eval(cfg: FasyncConfig) -> None:
+    """Refuse an ``eval.*`` configuration that cannot run (part of :func:`validate`).
+
+    Raises:
+        ConfigError: one sentence naming the key, the value given and the rule.
+    """
+    import math
+    import re
+
+    ev = cfg.eval
+    if ev.every_n_steps < 0:
+        raise ConfigError(f"`eval.every_n_steps` is {ev.every_n_steps}; it must be >= 0 (0 disables evaluation).")
+    enabled = ev.every_n_steps > 0 or ev.at_start or ev.at_end
+    if enabled and not ev.data_source:
+        on = f"`eval.every_n_steps` is {ev.every_n_steps}" if ev.every_n_steps > 0 else (
+            "`eval.at_start` is true" if ev.at_start else "`eval.at_end` is true")
+        raise ConfigError(f"{on} while `eval.data_source` is empty; list at least one eval set to evaluate on.")
+    names: set[str] = set()
+    for i, src in enumerate(ev.data_source):
+        key = f"eval.data_source[{i}]"
+        if not isinstance(src.name, str) or not re.match(EVAL_SOURCE_NAME, src.name):
+            raise ConfigError(
+                f"`{key}.name` is {src.name!r}; it must be letters, digits, '_', '.' or '-' (it is a segment of "
+                "the metric names val/<name>/...)."
+            )
+        if src.name in names:
+            raise ConfigError(f"`{key}.name` is {src.name!r}, which another eval set already has; eval set names must be unique.")
+        names.add(src.name)
+        if src.num_prompts <= 0:
+            raise ConfigError(f"`{key}.num_prompts` is {src.num_prompts}; it must be a positive integer (the eval set's size).")
+        if src.path and src.datasource:
+            raise ConfigError(f"`{key}.path` and `{key}.datasource` are both set; prompts come from one of them.")
+        if src.format not in (None, "parquet", "json", "jsonl"):
+            raise ConfigError(f"`{key}.format` is {src.format!r}; it must be parquet, json, jsonl or null (from the extension).")
+        if (src.path or src.datasource) and not src.reward:
+            raise ConfigError(
+                f"`{key}.{'path' if src.path else 'datasource'}` is set but `{key}.reward` is not; name the reward, e.g. "
+                "lightning_fasync.data.rewards:math_reward (math-verify)."
+            )
+        if not src.reward_timeout > 0:
+            raise ConfigError(f"`{key}.reward_timeout` is {src.reward_timeout}; it must be > 0 seconds.")
+        if src.reward_processes < 0:
+            raise ConfigError(f"`{key}.reward_processes` is {src.reward_processes}; it must be >= 0 (0: threads).")
+        if src.max_prompt_length is not None and src.max_prompt_length <= 0:
+            raise ConfigError(f"`{key}.max_prompt_length` is {src.max_prompt_length}; it must be a positive integer or null.")
+    sp = ev.sampling
+    if sp.n <= 0:
+        raise ConfigError(f"`eval.sampling.n` is {sp.n}; it must be a positive integer.")
+    if sp.greedy and sp.n > 1:
+        raise ConfigError(
+            f"`eval.sampling.n` is {sp.n} while `eval.sampling.greedy` is true; greedy decoding gives {sp.n} identical "
+            "samples, so n must be 1 (or set greedy: false to sample)."
+        )
+    if not (math.isfinite(sp.temperature) and sp.temperature >= 0):
+        raise ConfigError(f"`eval.sampling.temperature` is {sp.temperature}; it must be a finite number >= 0.")
+    if not 0 < sp.top_p <= 1:
+        raise ConfigError(f"`eval.sampling.top_p` is {sp.top_p}; it must be in (0, 1].")
+    if sp.top_k == 0 or sp.top_k < -1:
+        raise ConfigError(f"`eval.sampling.top_k` is {sp.top_k}; it must be a positive integer or -1 (disabled).")
+    if sp.max_response_length is not None and sp.max_response_length <= 0:
+        raise ConfigError(
+            f"`eval.sampling.max_response_length` is {sp.max_response_length}; it must be a positive integer or null "
+            "(rollout.max_response_length)."
+        )
+    if not ev.timeout > 0:
+        raise ConfigError(f"`eval.timeout` is {ev.timeout}; it must be > 0 seconds.")
+    if not math.isfinite(ev.accuracy_threshold):
+        raise ConfigError(f"`eval.accuracy_threshold` is {ev.accuracy_threshold}; it must be a finite number.")

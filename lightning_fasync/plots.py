@@ -85,10 +85,11 @@ def plot_timeline(events_path: str, out_png: str, title: Optional[str] = None, t
     ax.fill_between(xs, lanes["rollout"] - 0.4, ys, step="post", color="#9ecae1", label=f"groups in flight (max {r_max})")
     done = [t(e) for e in events if e["event"] == "complete"]
     ax.plot(done, [lanes["rollout"] + 0.42] * len(done), "|", color="#08519c", markersize=6, label="group completed")
+    colors = {"train": "#31a354", "sync": "#de2d26", "eval": "#756bb1"}
     for e in events:
-        if e["event"] in ("train", "sync"):
-            ax.broken_barh([(t(e) - e.get("dur", 0.0), e.get("dur", 0.0))], (lanes[e["event"]] - 0.35, 0.7),
-                           color="#31a354" if e["event"] == "train" else "#de2d26")
+        if e["event"] in colors:  # evaluations (eval.*) follow the sync in its lane
+            lane = lanes["sync" if e["event"] == "eval" else e["event"]]
+            ax.broken_barh([(t(e) - e.get("dur", 0.0), e.get("dur", 0.0))], (lane - 0.35, 0.7), color=colors[e["event"]])
     pause_start = None
     for e in events:
         if e["event"] == "pause":
@@ -97,7 +98,8 @@ def plot_timeline(events_path: str, out_png: str, title: Optional[str] = None, t
             ax.broken_barh([(pause_start, t(e) - pause_start)], (lanes["pause"] - 0.35, 0.7), color="#fd8d3c")
             pause_start = None
     ax.set_yticks(list(lanes.values()))
-    ax.set_yticklabels(["weight sync", "paused", "training call", "rollout"])
+    evaluated = any(e["event"] == "eval" for e in events)
+    ax.set_yticklabels(["weight sync, eval" if evaluated else "weight sync", "paused", "training call", "rollout"])
     ax.set_xlabel("seconds")
     ax.set_ylim(-0.6, 3.6)
     ax.grid(axis="x", alpha=0.3)

@@ -12,7 +12,8 @@ and timers) on a virtual clock; only the engines and the trainer's compute are m
   replayed from a trace (``--trace``: JSONL lines ``{"prompt": index, "lengths": [N ints]}``);
 - a training call takes ``train_base_s + tokens * train_s_per_ktoken / 1000`` seconds on the
   reference trainer pool, scaled by how many GPUs train; weight sync and pause have fixed costs;
-  colocate mode adds the offload/onload switches.
+  colocate mode adds the offload/onload switches (``colocate_offload``, on for the simulated GPUs
+  unless set false), each timed under the spec's name as in a live run.
 
 Everything is deterministic for a given seed; nothing sleeps.
 """
@@ -26,7 +27,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from lightning_fasync.config import FasyncConfig, validate, with_overrides
+from lightning_fasync.config import FasyncConfig, colocate_offload_enabled, validate, with_overrides
 from lightning_fasync.pipeline.controller import FullyAsyncController
 from lightning_fasync.pipeline.datasource import ListDataSource
 from lightning_fasync.pipeline.flow import continuation
@@ -89,7 +90,10 @@ class SimConfig:
     pause_overhead_s: float = 0.5
     """Fixed cost of pause (abort round-trips, cleanup)."""
     colocate_switch_s: float = 20.0
-    """Colocate only: offload rollout + onload train + offload train + onload rollout, per step."""
+    """Colocate with ``colocate_offload`` only: offload rollout + onload train + offload train + onload
+    rollout weights + onload rollout KV, per step, split evenly over the five (``timing/offload_rollout``,
+    ``timing/onload_train``, ``timing/offload_train``, ``timing/onload_rollout_weights``,
+    ``timing/onload_rollout_kv``)."""
     variants: list[Variant] = field(default_factory=list)
     """Runs to compare; the first is the speedup baseline."""
 
@@ -240,7 +244,8 @@ class Simulation:
         prompts = [([0] * 8, {}) for _ in range(sim.num_prompts)]
         self.datasource = ListDataSource(prompts, shuffle=True, seed=sim.seed)
         self.controller = FullyAsyncController(
-            cfg, self.datasource, clock=lambda: self.now, rollout=lambda state: _SimRollout(self, state), events_path=events_path
+            cfg, self.datasource, clock=lambda: self.now, rollout=lambda state: _SimRollout(self, state), events_path=events_path,
+            colocate_offload=colocate_offload_enabled(cfg, "cuda"),  # the simulated cluster is GPUs
         )
         self.state = self.controller.state
         self.step_times: list[float] = []
@@ -340,14 +345,20 @@ class Simulation:
         pass
 
     def sync_weights(self, version: int) -> None:
-        # Colocate also pays offload rollout + onload train + offload train + onload rollout.
-        self.now += self.sim.weight_sync_s + (self.sim.colocate_switch_s if self.controller.colocate else 0.0)
+        self.now += self.sim.weight_sync_s
+
+    # Colocate offload (ColocateHooks): each of the five stages takes a fifth of colocate_switch_s.
+
+    def _switch(self) -> None:
+        self.now += self.sim.colocate_switch_s / 5
+
+    offload_rollout = onload_train = offload_train = onload_rollout_weights = onload_rollout_kv = _switch
 
     # ------------------------------------------------------------------ run
 
     def run(self) -> "Simulation":
         ctl = self.controller
-        ctl.start()
+        ctl.start(self)  # the trainer's first offload is set-up, outside step 0 (as in a live run)
         last = self.now
         try:
             for _ in range(self.sim.steps):

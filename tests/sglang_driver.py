@@ -158,7 +158,22 @@ def check_openai_models(url: str) -> dict[str, Any]:
     return results
 
 
-CHECKS = {"fields": check_fields, "frontend": check_frontend,
+def check_server_info(url: str) -> dict[str, Any]:
+    """``/get_server_info``'s keys against SGLang's own: its ``ServerArgs`` fields plus what its
+    ``server_info`` endpoint adds (``sglang/srt/entrypoints/http_server.py``)."""
+    from sglang.srt.arg_groups.arg_utils import record_fields
+    from sglang.srt.server_args import ServerArgs
+
+    with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
+        info = json.loads(r.read())
+    fields = {f.name for f in record_fields(ServerArgs)}
+    endpoint = {"launch_command", "startup_time", "internal_states", "version", "frontend", "kv_events"}
+    return {"keys": sorted(info), "not_sglangs": sorted(set(info) - fields - endpoint), "version": info.get("version"),
+            "args": {k: info.get(k) for k in ("model_path", "host", "port", "context_length", "max_running_requests",
+                                               "weight_version")}}
+
+
+CHECKS = {"fields": check_fields, "server_info": check_server_info, "frontend": check_frontend,
           # sglang-router 0.3 refuses batched `text`, which select sends: everything else through it.
           "frontend_no_select": lambda url: check_frontend(url, with_select=False), "weight_versions": check_weight_versions,
           "openai_models": check_openai_models}

@@ -34,3 +34,24 @@ def test_speedup_benchmark_smoke(tmp_path):
         acc.Reload()
         images += acc.Tags()["images"]
     assert "timeline" in images
+
+
+@pytest.mark.slow
+def test_weight_sync_benchmark_smoke(tmp_path):
+    """``benchmarks/weight_sync.py --quick``: every path timed against the copy, the files written."""
+    import csv
+    import json
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import weight_sync
+    finally:
+        sys.path.pop(0)
+    rows = weight_sync.main(["--quick", "--out", str(tmp_path)])
+    assert [r["path"] for r in rows] == ["distributed", "tensor", "disk"]
+    assert all(r["model"] == "tiny" and r["push_s"] > 0 and r["gb_s"] > 0 and r["copy_gb_s"] > 0 for r in rows)
+    with open(tmp_path / "results.csv") as f:
+        assert [r["path"] for r in csv.DictReader(f)] == ["distributed", "tensor", "disk"]
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert {"nproc", "cpu", "loadavg_before", "loadavg_after", "date", "git_commit"} <= set(meta)
+    assert "| tiny |" in (tmp_path / "results.md").read_text()

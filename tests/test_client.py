@@ -264,7 +264,7 @@ def test_every_engine_call_ends_at_its_timeout_against_an_engine_that_never_answ
         "resume": lambda c: c.resume(),
         "begin_weight_update": lambda c: c.begin_weight_update(),
         "update_weights_from_disk": lambda c: c.update_weights_from_disk(str(tmp_path)),
-        "update_weights_from_tensor": lambda c: c.update_weights_from_tensor({"w": torch.zeros(2)}, shm_dir=str(tmp_path)),
+        "update_weights_from_tensor": lambda c: c.update_weights_from_tensor({"w": torch.zeros(2)}),
         "update_weight_version": lambda c: c.update_weight_version(1),
         "flush_cache": lambda c: c.flush_cache(),
         "model_info": lambda c: c.model_info(),

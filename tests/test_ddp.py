@@ -18,9 +18,12 @@ TINY = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 @pytest.mark.slow
 def test_ddp_two_cpu_processes(tmp_path):
     steps = 3
+    # The distributed weight sync (docs/weight_sync.md): rank 0 of the DDP job, which has its own
+    # default process group, forms the weight-update group with the engine and broadcasts on gloo.
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
            "--trainer.enable_progress_bar=false", "--trainer.strategy=ddp", "--trainer.devices=2",
-           "--trainer.accelerator=cpu", f"--trainer.rollout_steps={steps}", "--trainer.save_freq=2"]
+           "--trainer.accelerator=cpu", f"--trainer.rollout_steps={steps}", "--trainer.save_freq=2",
+           "--rollout.weight_sync=distributed"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
@@ -29,6 +32,8 @@ def test_ddp_two_cpu_processes(tmp_path):
     assert dispatch and len(dispatch) == len(set(dispatch))
     consumed = [r for r in read_jsonl(os.path.join(log_dir, "ledger.jsonl")) if r["kind"] == "consume"]
     assert len(consumed) == steps * 16 and len({r["prompt"] for r in consumed}) == steps * 16
+    # The engines served the pushed weights under the versions the pushes gave them.
+    assert all(r["end_version"] <= r["step"] for r in consumed) and max(r["end_version"] for r in consumed) >= 1
     tb = read_scalars(log_dir)
     # Reduced on the main thread, logged once per rollout step by rank 0.
     assert [s for s, _ in tb["train/loss"]] == list(range(steps))

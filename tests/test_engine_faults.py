@@ -24,6 +24,7 @@ from lightning_fasync.pipeline.events import read_jsonl
 from lightning_fasync.rollout.pool import RolloutPool
 from lightning_fasync.rollout.supervisor import EngineLostError
 from lightning_fasync.rollout.weight_checksum import checksums
+from lightning_fasync.rollout.weight_sync import TensorWeightSync
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "configs", "tiny_cpu.yaml")
@@ -109,8 +110,7 @@ def test_a_killed_single_replica_comes_back_with_the_trainers_weights_or_is_not_
         async def push_kill_generate(tensors, version):
             client = pool.client()
             try:
-                kept = await client.update_weights_from_tensor(tensors, weight_version=version, keep=True)
-                pool.keep_weights("tensor", kept, version)
+                pool.keep_weights(await TensorWeightSync(client, keep=True, pause_mode=None).push(tensors, version))
                 pool.servers[0].kill_tree()
                 killed = time.time()
                 result = await client.generate(request(f"after-kill-{version}"))  # waits for the restart
@@ -129,16 +129,16 @@ def test_a_killed_single_replica_comes_back_with_the_trainers_weights_or_is_not_
         assert {k: expected[k] for k in reported} == reported
         assert result.finish_reason in ("stop", "length") and set(result.weight_versions) == {3}
         assert pool.workers.urls == pool.worker_urls
-        first_kept = pool.weights[1]
+        first_kept = pool.weights
 
-        # Now the kept file holds one tensor in half precision: the engine loads it into its
+        # Now the kept weights hold one tensor in half precision: the engine loads it into its
         # float32 parameter, so what it holds differs from what the trainer sent. The check says
         # so, the replica is not put back, and once its restarts are spent the run is told to stop.
         name = next(k for k in weights if k.endswith("q_proj.weight"))
         weights[name] = weights[name].half()
         with pytest.raises(EngineLostError, match=r"rollout\.engine_restart\.max_attempts"):
             asyncio.run(push_kill_generate(weights, 4))
-        assert not os.path.exists(first_kept), "the previous kept weights were not replaced"
+        assert first_kept.buckets is None, "the previous kept weights were not replaced"
         failures = events.wait("engine_restart_failed", count=2)
         assert all("does not hold the trainer's weights of version 4" in f["error"] and name in f["error"] for f in failures)
         assert len(events.named("engine_restarted")) == 1
@@ -146,8 +146,8 @@ def test_a_killed_single_replica_comes_back_with_the_trainers_weights_or_is_not_
         deadline = time.monotonic() + 10
         while not fatal and time.monotonic() < deadline:
             time.sleep(0.05)
-        kept = pool.weights[1]
-    assert not os.path.exists(kept), "the kept weights outlived the pool"
+        kept = pool.weights
+    assert kept.buckets is None, "the kept weights outlived the pool"
     assert len(fatal) == 1 and isinstance(fatal[0], EngineLostError)
     assert "`rollout.engine_restart" in str(fatal[0]) and "--ckpt_path last" in str(fatal[0])
 

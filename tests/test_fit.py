@@ -108,6 +108,9 @@ def test_embedded_default_learns_end_to_end(tmp_path):
     conditional = {"rollout/partial_restored_count", "rollout/partial_dropped_incomplete_count"}
     missing = (SPEC_METRICS - conditional) - set(tb)
     assert not missing, f"missing metrics: {sorted(missing)}"
+    # Fully-async mode runs none of colocate's offload/onload stages (spec section 4).
+    assert not {"timing/offload_rollout", "timing/onload_train", "timing/offload_train", "timing/onload_rollout_weights",
+                "timing/onload_rollout_kv"} & set(tb)
     for name in conditional:
         assert [s for s, _ in tb.get(name, [])] == recycled_steps, name
     for name in SPEC_METRICS:

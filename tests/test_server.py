@@ -154,7 +154,8 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(policy):
             ("/pause_generation", {"mode": "nap"}, "Unknown pause mode"),
             ("/update_weights_from_disk", {}, "model_path"),
             ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "does not exist"),
-            ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "safetensors_path"),
+            ("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]}, "not valid base64"),
+            ("/update_weights_from_tensor", {"safetensors_path": "/x.safetensors"}, "Unknown field"),
             ("/update_weight_version", {"new_version": 3}, "must be a string"),
         ]:
             status, out = await call(s, "POST", url + path, payload)
@@ -184,21 +185,23 @@ def test_info_health_load_and_version_endpoints(policy, tmp_path):
         assert loads["loads"][0]["num_running_reqs"] == 0
         status, out = await call(s, "POST", url + "/update_weight_version", {"new_version": "5"})
         assert status == 200 and (await call(s, "GET", url + "/get_weight_version"))[1] == {"weight_version": "5"}
-        # Weights from a safetensors file (the same-host update_weights_from_tensor path).
-        from safetensors.torch import save_file
+        # Weights in SGLang's serialised format (the same-host update_weights_from_tensor path).
+        from lightning_fasync.rollout import weight_wire
 
-        path = str(tmp_path / "w.safetensors")
-        save_file({"lm_head.weight": model.lm_head.weight.detach().clone()}, path)
-        update = {"safetensors_path": path, "weight_version": "6"}
+        def update_body():  # one payload per deserialisation (each holds one shared-memory reference)
+            return {"serialized_named_tensors": [weight_wire.serialize([("lm_head.weight", model.lm_head.weight.detach().clone())])],
+                    "weight_version": "6"}
+
+        update = update_body()
         # SGLang 0.5.23: a tensor update outside begin/end_weight_update fails.
         status, out = await call(s, "POST", url + "/update_weights_from_tensor", update)
         assert status == 400 and out["success"] is False and "begin_weight_update" in out["message"]
         assert (await call(s, "POST", url + "/end_weight_update", {}))[1]["success"] is False  # none open
         assert (await call(s, "POST", url + "/begin_weight_update", {}))[1] == {"success": True, "message": "Success"}
         assert (await call(s, "POST", url + "/begin_weight_update", {}))[1]["success"] is False  # already open
-        status, out = await call(s, "POST", url + "/update_weights_from_tensor", {"safetensors_path": "/nonexistent"})
-        assert status == 400 and "not a file" in out["error"]["message"]
-        status, out = await call(s, "POST", url + "/update_weights_from_tensor", update)
+        status, out = await call(s, "POST", url + "/update_weights_from_tensor", {"serialized_named_tensors": []})
+        assert status == 400 and "serialized_named_tensors" in out["error"]["message"]
+        status, out = await call(s, "POST", url + "/update_weights_from_tensor", update_body())
         assert status == 200 and out["success"], out
         assert (await call(s, "POST", url + "/end_weight_update", {}))[1]["success"] is True
         status, out = await call(s, "POST", url + "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}})

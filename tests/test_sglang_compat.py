@@ -31,7 +31,7 @@ if importlib.util.find_spec("sglang") is None:
 pytestmark = pytest.mark.slow
 
 
-DIRECT_CHECKS = ("fields", "frontend", "weight_versions", "openai_models")
+DIRECT_CHECKS = ("fields", "frontend", "weight_versions", "openai_models", "server_info")
 
 
 def drive(url: str, *checks: str) -> dict:
@@ -110,3 +110,14 @@ def test_sglang_frontend_and_openai_client_through_the_real_router(routed):
     whole = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                            temperature=0)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+
+
+def test_server_info_has_sglangs_shape(server):
+    """``/get_server_info``: the version the client's protocol detection reads, and SGLang's own
+    ``ServerArgs`` field names for the server arguments reported (``engine`` is ours)."""
+    out = server["server_info"]
+    assert out["version"] == "0.5.23"
+    assert out["not_sglangs"] == ["engine"], out["not_sglangs"]
+    args = out["args"]
+    assert args["model_path"] == "tiny" and args["host"] == "127.0.0.1" and isinstance(args["port"], int)
+    assert args["max_running_requests"] == 8 and args["context_length"] > 0 and args["weight_version"] == "default"

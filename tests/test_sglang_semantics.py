@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
-import tempfile
 
 import aiohttp
 import pytest
@@ -337,15 +335,12 @@ def test_queued_requests_abort_with_what_they_had_and_the_bracket_flag(policy):
     serve(policy, body, max_running_requests=1, context_length=512)
 
     # --require-weight-update-session false: tensor updates outside the bracket are accepted (0.5.15).
-    from safetensors.torch import save_file
+    from lightning_fasync.rollout.weight_wire import serialize
 
     async def outside(s, url, engine):
-        path = os.path.join(tempfile.gettempdir(), f"fasync-test-outside-{id(engine)}.safetensors")
-        save_file({"lm_head.weight": model.lm_head.weight.detach().clone()}, path)
-        try:
-            status, out = await post(s, url + "/update_weights_from_tensor", {"safetensors_path": path, "weight_version": "2"})
-        finally:
-            os.unlink(path)
+        payload = serialize([("lm_head.weight", model.lm_head.weight.detach().clone())])
+        status, out = await post(s, url + "/update_weights_from_tensor",
+                                 {"serialized_named_tensors": [payload], "weight_version": "2"})
         assert status == 200 and out["success"] and engine.weight_version == "2"
 
     model_copy = copy.deepcopy(model)
@@ -386,15 +381,12 @@ def test_pause_retract_reprefills_under_new_weights_and_flush_rules(policy):
         assert engine.loads()["num_running_reqs"] == 0 and engine.loads()["num_waiting_reqs"] == 1
         assert (await post(s, url + "/flush_cache"))[0] == 200
         # New weights (inside SGLang 0.5.23's bracket), then continue: the request is prefilled again.
-        from safetensors.torch import save_file
+        from lightning_fasync.rollout.weight_wire import serialize
 
-        path = os.path.join(tempfile.gettempdir(), f"fasync-test-{id(engine)}.safetensors")
-        save_file({"lm_head.weight": new_model.lm_head.weight.detach().clone()}, path)
+        payload = serialize([("lm_head.weight", new_model.lm_head.weight.detach().clone())])
         assert (await post(s, url + "/begin_weight_update", {}))[1]["success"]
-        try:
-            status, out = await post(s, url + "/update_weights_from_tensor", {"safetensors_path": path, "weight_version": "1"})
-        finally:
-            os.unlink(path)
+        status, out = await post(s, url + "/update_weights_from_tensor",
+                                 {"serialized_named_tensors": [payload], "weight_version": "1"})
         assert status == 200, out
         assert (await post(s, url + "/end_weight_update", {}))[1]["success"]
         assert (await post(s, url + "/continue_generation", {}))[1]["status"] == "ok"

@@ -5,13 +5,13 @@ Hooks, in the order Lightning calls them:
 - ``setup``: check the module against the config (nothing has started yet), plan resources,
   start the engine replicas (+ sglang-router when several), build the pipeline controller.
 - ``load_state_dict`` (on resume): keep the pipeline state until the threads start.
-- ``on_train_start``: restore the pipeline state, push the trainer's weights to the engines, start
-  producer and collector.
+- ``on_train_start``: restore the pipeline state, push the trainer's weights to the engines (and
+  evaluate them with ``eval.at_start``), start producer and collector.
 - ``on_train_batch_start``: fetch M // N groups from the PipelineBuffer into the batch ticket.
 - ``on_train_batch_end``: record the call's metrics; when the controller's :class:`StepSchedule`
   says the step is over, run the step boundary through :class:`FullyAsyncController` (pause,
-  metrics, checkpoint on ``save_freq``, weight sync, resume) and log the step's metrics once, at
-  step = rollout step.
+  metrics, checkpoint on ``save_freq``, weight sync, evaluation on ``eval.*``, resume) and log the
+  step's metrics (``val/*`` included) once, at step = rollout step.
 - ``on_save_checkpoint`` / ``on_load_checkpoint``: record the run's identity; refuse a resume that
   would break exactly-once accounting (:mod:`~lightning_fasync.lightning.checkpoints`).
 - ``on_exception`` / ``teardown``: stop threads and engines, idempotently.
@@ -31,7 +31,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_fasync.config import ConfigError, FasyncConfig, load_config, validate
+from lightning_fasync.config import ConfigError, FasyncConfig, colocate_offload_enabled, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
 from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_hparams, check_resume, run_identity
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
@@ -78,7 +78,8 @@ class FullyAsyncCallback(Callback):
             weights before generating, so only the architecture must match.
         log_dir: where ``events.jsonl``, ``ledger.jsonl`` and checkpoints go (default: the
             trainer's log dir).
-        engine_startup_timeout: seconds each engine replica has to become healthy.
+        engine_startup_timeout: seconds each engine replica has to become healthy; None:
+            ``rollout.engine_startup_timeout``.
         admin_timeout: seconds a weight sync may take.
         datasource, reward, flow, client: rollout-side objects to use instead of the config's
             (see :class:`~lightning_fasync.lightning.runtime.RolloutRuntime`).
@@ -89,7 +90,7 @@ class FullyAsyncCallback(Callback):
         config: Union[FasyncConfig, Mapping[str, Any], None] = None,
         engine_model: Optional[str] = None,
         log_dir: Optional[str] = None,
-        engine_startup_timeout: float = 180.0,
+        engine_startup_timeout: Optional[float] = None,
         admin_timeout: float = 600.0,
         datasource: Optional[DataSource] = None,
         reward: Optional[RewardFn] = None,
@@ -113,6 +114,7 @@ class FullyAsyncCallback(Callback):
         self._hooks: Optional[FullyAsyncHooks] = None
         self._files: Optional[CheckpointFiles] = None
         self.preemption = Preemption(self.cfg.trainer.preempt_grace_s)
+        self._offload = False  # colocate_offload, resolved for the trainer's device in setup
         self._closed = False
 
     # ------------------------------------------------------------------ set-up
@@ -131,12 +133,14 @@ class FullyAsyncCallback(Callback):
         strategy = trainer.strategy
         if hasattr(strategy, "resource_plan"):  # FullyAsyncStrategy, or a user's own
             plan = strategy.resource_plan(colocate=colocate)
-            engine_threads, weight_sync = strategy.engine_threads, strategy.weight_sync
+            # FullyAsyncStrategy(weight_sync=...) overrides rollout.weight_sync; None keeps it.
+            engine_threads, weight_sync = strategy.engine_threads, getattr(strategy, "weight_sync", None)
         else:
-            plan, engine_threads, weight_sync = plan_cpu_resources(1, colocate=colocate), None, "tensor"
+            plan, engine_threads, weight_sync = plan_cpu_resources(1, colocate=colocate), None, None
         self.log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
         self._files = CheckpointFiles(os.path.join(self.log_dir, "checkpoints"), cfg.trainer.save_keep_last)
         self._rank, self._world = trainer.global_rank, trainer.world_size
+        self._offload = colocate_offload_enabled(cfg, trainer.strategy.root_device.type)
         if self._world > 1 and cfg.groups_per_minibatch % self._world:
             raise ConfigError(
                 f"`trainer.mini_batch_size` is {cfg.M}: each training call has M // N = {cfg.groups_per_minibatch} "
@@ -156,6 +160,7 @@ class FullyAsyncCallback(Callback):
             engine_startup_timeout=self.engine_startup_timeout,
             admin_timeout=self.admin_timeout,
             weight_sync=weight_sync,
+            colocate_offload=self._offload,
             **self._rollout_side,
         )
         self.controller = self.runtime.controller
@@ -193,8 +198,16 @@ class FullyAsyncCallback(Callback):
             # The engines start from the preset or directory; the trainer's weights may differ (a
             # restored checkpoint, a warm start), so they get the trainer's before any generation.
             self.sync_weights(ctl.weight_version)
-            ctl.start()
+            if trainer.max_steps > 0:  # the run's last rollout step, for eval.at_end
+                ctl.schedule.final_step = trainer.max_steps // ctl.schedule.calls_per_step - 1
+            if self.cfg.eval.at_start:
+                at, val = ctl.evaluate_at_start()
+                for logger in trainer.loggers:
+                    logger.log_metrics(val, step=at)
+            ctl.start(self)
             step = ctl.rollout_step
+        elif self._offload:  # rank 0's controller does it in start()
+            self._require_hooks().offload_train(trainer.optimizers)
         self._step = self._broadcast(trainer, step)
         self._require_hooks().begin_rollout_step(self._step)
 
@@ -209,7 +222,9 @@ class FullyAsyncCallback(Callback):
             )
         ctl, hooks = self.controller, self._require_hooks()
         self._check_preemption()
-        groups = ctl.fetch() if ctl is not None else None
+        groups = ctl.fetch(self) if ctl is not None else None
+        if ctl is None and self._offload and self.schedule.calls == 0:  # rank 0's controller does it in fetch()
+            hooks.onload_train(trainer.optimizers)
         if self._world > 1:
             # Rank 0 fetched on its main thread; every rank trains on its share of the mini-batch.
             groups = self._broadcast(trainer, groups)[self._rank :: self._world]
@@ -247,9 +262,12 @@ class FullyAsyncCallback(Callback):
             shown = {"step": step}
             shown.update({short: step_metrics[key] for key, short in PROGRESS_KEYS.items() if key in step_metrics})
             pl_module.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False)
-        elif self.schedule.save_due(self._step):
-            # The other ranks take part in the checkpoint's collectives in rank 0's order.
-            self.save_checkpoint(self._step)
+        else:
+            if self.schedule.save_due(self._step):
+                # The other ranks take part in the checkpoint's collectives in rank 0's order.
+                self.save_checkpoint(self._step)
+            if self._offload:  # after the checkpoint, as rank 0's controller in step_boundary
+                self._require_hooks().offload_train(trainer.optimizers)
         if preempted:
             raise self.preemption.stop(self._files.path(self._step) if self._files is not None else None)
         if lost:
@@ -297,6 +315,28 @@ class FullyAsyncCallback(Callback):
         runtime = self.runtime
         assert runtime is not None
         runtime.sync_weights(self._require_hooks().engine_state_dict(), version)
+
+    # ------------------------------------------------------------------ ColocateHooks (colocate_offload)
+
+    def offload_rollout(self) -> None:
+        assert self.runtime is not None
+        self.runtime.offload_rollout()
+
+    def onload_train(self) -> None:
+        assert self._trainer is not None
+        self._require_hooks().onload_train(self._trainer.optimizers)
+
+    def offload_train(self) -> None:
+        assert self._trainer is not None
+        self._require_hooks().offload_train(self._trainer.optimizers)
+
+    def onload_rollout_weights(self) -> None:
+        assert self.runtime is not None
+        self.runtime.onload_rollout_weights()
+
+    def onload_rollout_kv(self) -> None:
+        assert self.runtime is not None
+        self.runtime.onload_rollout_kv()
 
     # ------------------------------------------------------------------ shutdown
 

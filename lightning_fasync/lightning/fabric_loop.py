@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from lightning_fasync.config import ConfigError, FasyncConfig, load_config, validate
+from lightning_fasync.config import ConfigError, FasyncConfig, colocate_offload_enabled, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
 from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_resume, run_identity
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
@@ -52,7 +52,7 @@ class FullyAsyncFabricLoop:
         fabric: Any,
         config: Union[FasyncConfig, Mapping[str, Any]],
         log_dir: str,
-        engine_startup_timeout: float = 180.0,
+        engine_startup_timeout: Optional[float] = None,
         admin_timeout: float = 600.0,
         datasource: Optional[DataSource] = None,
         reward: Optional[RewardFn] = None,
@@ -117,7 +117,8 @@ class FullyAsyncFabricLoop:
         plan = plan_cpu_resources(1, colocate=not cfg.fully_async.enable)
         self.runtime = RolloutRuntime(
             cfg, engine_model or hooks.engine_model, plan, self.log_dir, pin=fabric.device.type == "cpu",
-            engine_startup_timeout=self.engine_startup_timeout, admin_timeout=self.admin_timeout, **self._rollout_side,
+            engine_startup_timeout=self.engine_startup_timeout, admin_timeout=self.admin_timeout,
+            colocate_offload=colocate_offload_enabled(cfg, fabric.device.type), **self._rollout_side,
         )
         ctl = self.runtime.controller
         preemption = Preemption(cfg.trainer.preempt_grace_s, on_request=lambda: setattr(ctl.schedule, "force_save", True))
@@ -144,7 +145,11 @@ class FullyAsyncFabricLoop:
             if state is not None:
                 ctl.load_state_dict(state)
             self.sync_weights(ctl.weight_version)
-            ctl.start()
+            ctl.schedule.final_step = ctl.rollout_step + rollout_steps - 1  # for eval.at_end
+            if cfg.eval.at_start:
+                at, val = ctl.evaluate_at_start()
+                fabric.log_dict(val, step=at)
+            ctl.start(self)
             fabric.call("on_fasync_train_start", loop=self)
             for _ in range(rollout_steps):
                 hooks.begin_rollout_step(ctl.rollout_step)
@@ -177,3 +182,20 @@ class FullyAsyncFabricLoop:
 
     def sync_weights(self, version: int) -> None:
         self.runtime.sync_weights(self._hooks.engine_state_dict(), version)
+
+    # ------------------------------------------------------------------ ColocateHooks (colocate_offload)
+
+    def offload_rollout(self) -> None:
+        self.runtime.offload_rollout()
+
+    def onload_train(self) -> None:
+        self._hooks.onload_train([self._optimizer])
+
+    def offload_train(self) -> None:
+        self._hooks.offload_train([self._optimizer])
+
+    def onload_rollout_weights(self) -> None:
+        self.runtime.onload_rollout_weights()
+
+    def onload_rollout_kv(self) -> None:
+        self.runtime.onload_rollout_kv()

@@ -9,7 +9,7 @@ drivers require it and call exactly these hooks, nothing looked up by name.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -61,6 +61,26 @@ class FullyAsyncHooks:
     def check_fasync_config(self, cfg: Any) -> None:
         """Refuse (raise ``ConfigError``) a plugin config that disagrees with how the module was
         built; called once by the driver before anything starts."""
+
+    def offload_train(self, optimizers: Sequence[Any]) -> None:
+        """Colocate with ``colocate_offload``: the rollout phase starts, move the training state off
+        the accelerator so the engines get its memory (``timing/offload_train``; every rank, after
+        the step's checkpoint). Default: this module's parameters, gradients and buffers and the
+        ``optimizers``' state go to CPU memory when they are on CUDA (see
+        :mod:`~lightning_fasync.lightning.offload`); on CPU nothing moves. Override for state the
+        default does not reach (e.g. tensors kept outside the module)."""
+        from lightning_fasync.lightning.offload import offload_training_state
+
+        if isinstance(self, torch.nn.Module):
+            offload_training_state(self, optimizers)
+
+    def onload_train(self, optimizers: Sequence[Any]) -> None:
+        """Colocate with ``colocate_offload``: training starts, bring back what :meth:`offload_train`
+        moved (``timing/onload_train``; every rank, before the step's first training call)."""
+        from lightning_fasync.lightning.offload import onload_training_state
+
+        if isinstance(self, torch.nn.Module):
+            onload_training_state(self, optimizers)
 
 
 def require_hooks(module: Any, driver: str) -> FullyAsyncHooks:

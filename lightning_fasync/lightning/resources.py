@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -61,6 +61,58 @@ def plan_cpu_resources(
     per = len(rollout_cores) // num_replicas
     replicas = [rollout_cores[i * per : (i + 1) * per] for i in range(num_replicas)]
     return ResourcePlan(trainer_cores=list(trainer_cores), replica_cores=replicas)
+
+
+@dataclass
+class GPUReplica:
+    """One ``rollout.backend: sglang`` server: its replica kind, index within the kind, and GPUs."""
+
+    kind: str
+    index: int
+    indices: list[int]
+    """Device indices on this host, as the trainer process numbers them."""
+    gpus: list[str]
+    """The same devices as the server's ``CUDA_VISIBLE_DEVICES`` entries (through this process's own
+    ``CUDA_VISIBLE_DEVICES`` when it has one)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.index}"
+
+
+def plan_rollout_gpus(cfg: Any, visible: Optional[str] = None) -> list[GPUReplica]:
+    """The GPUs of each ``rollout.backend: sglang`` server on this host.
+
+    The trainer's ``trainer.num_gpus_per_node`` devices come first (none with ``colocate: true``,
+    where rollout and training share the devices); then each replica kind of
+    ``rollout.sglang_replicas``, in order, gets ``rollout.num_gpus_per_node`` devices, split into
+    replicas of ``num_gpus_per_replica``. ``visible`` (default: this process's
+    ``CUDA_VISIBLE_DEVICES``) maps the indices to the devices the servers are given.
+
+    Raises:
+        ConfigError: the plan needs more devices than ``CUDA_VISIBLE_DEVICES`` lists.
+    """
+    from lightning_fasync.config import ConfigError
+
+    ro = cfg.rollout
+    if visible is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    listed = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    nxt = 0 if cfg.colocate else cfg.trainer.num_gpus_per_node
+    replicas = []
+    for kind, spec in ro.sglang_replicas.items():
+        for i in range(ro.num_gpus_per_node // spec.num_gpus_per_replica):
+            indices = list(range(nxt, nxt + spec.num_gpus_per_replica))
+            nxt += spec.num_gpus_per_replica
+            if listed is not None and indices[-1] >= len(listed):
+                raise ConfigError(
+                    f"`rollout.sglang_replicas.{kind}` needs device {indices[-1]} on this host (after the trainer's "
+                    f"`trainer.num_gpus_per_node` unless colocated), but CUDA_VISIBLE_DEVICES lists {len(listed)}; "
+                    "lower the GPU counts or make the devices visible."
+                )
+            gpus = [listed[j] for j in indices] if listed is not None else [str(j) for j in indices]
+            replicas.append(GPUReplica(kind, i, indices, gpus))
+    return replicas
 
 
 def pin_trainer(cores: Sequence[int]) -> None:

@@ -13,23 +13,32 @@ import asyncio
 import contextlib
 import inspect
 import os
-import shutil
-import tempfile
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from lightning_fasync.components import instantiate, load_object
-from lightning_fasync.config import ConfigError, FasyncConfig
+from lightning_fasync.config import ConfigError, DataSourceConfig, FasyncConfig
 from lightning_fasync.lightning.resources import ResourcePlan, pin_trainer
 from lightning_fasync.pipeline.controller import FullyAsyncController
 from lightning_fasync.pipeline.datasource import DataSource, ListDataSource
 from lightning_fasync.pipeline.engine_client import EngineClient, SamplingParams
+from lightning_fasync.pipeline.evaluator import EvalSource, Evaluator
 from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
 from lightning_fasync.pipeline.state import PipelineError
+from lightning_fasync.types import PromptSample
 
-WEIGHT_SYNC_MODES = ("tensor", "disk")
+@dataclass
+class _EvalSet:
+    """One ``eval.data_source`` entry, built: its prompts, reward runner and stop tokens."""
+
+    name: str
+    samples: list[PromptSample]
+    reward: Any  # RewardRunner, closed with the runtime
+    stop: list[int]
+    longest_prompt: int
 
 
 class RolloutRuntime:
@@ -42,13 +51,20 @@ class RolloutRuntime:
         log_dir: where ``events.jsonl`` and ``ledger.jsonl`` go.
         pin: pin this (trainer) process to ``plan.trainer_cores`` after the engines start.
         engine_threads: torch threads per engine (default: its core count).
-        engine_startup_timeout: seconds each replica has to become healthy.
+        engine_startup_timeout: seconds each replica has to become healthy; None:
+            ``rollout.engine_startup_timeout``.
         admin_timeout: seconds one weight sync may take.
-        weight_sync: ``tensor`` (one safetensors file in shared memory, same host) or ``disk``
-            (a Hugging Face safetensors directory under ``log_dir``, SGLang's
-            ``/update_weights_from_disk``).
+        weight_sync: the weight-sync path (``distributed``, ``tensor``, ``disk``; see
+            :mod:`~lightning_fasync.rollout.weight_sync`), or ``auto``; None: ``rollout.weight_sync``.
+            An engine client of your own (not an ``SGLangClient``) receives the weights through its
+            ``update_weights_from_<path>(tensors, weight_version=...)``.
         datasource, reward, flow: the rollout side's objects; None builds them from the config.
-        client: an engine client for engines someone else runs; None starts the embedded engines.
+        client: an engine client for engines someone else runs; None: the engines of
+            ``rollout.backend`` (embedded or SGLang servers started here, or ``rollout.engine_urls``).
+        colocate_offload: colocate mode hands the devices over between rollout and training (the
+            driver resolves ``colocate_offload`` for its device): embedded engines start with
+            ``--enable-memory-saver`` and :meth:`offload_rollout` and the ``onload_rollout_*``
+            methods release and resume their memory.
     """
 
     def __init__(
@@ -59,19 +75,25 @@ class RolloutRuntime:
         log_dir: Optional[str],
         pin: bool = True,
         engine_threads: Optional[int] = None,
-        engine_startup_timeout: float = 180.0,
+        engine_startup_timeout: Optional[float] = None,
         admin_timeout: float = 600.0,
-        weight_sync: str = "tensor",
+        weight_sync: Optional[str] = None,
         datasource: Optional[DataSource] = None,
         reward: Optional[RewardFn] = None,
         flow: Optional[AgentFlow] = None,
         client: Optional[EngineClient] = None,
+        colocate_offload: bool = False,
     ) -> None:
-        if weight_sync not in WEIGHT_SYNC_MODES:
-            raise ConfigError(f"`weight_sync` is {weight_sync!r}; it must be one of {', '.join(WEIGHT_SYNC_MODES)}.")
+        from lightning_fasync.config import WEIGHT_SYNC_CHOICES
+        from lightning_fasync.rollout.weight_sync import resolve_weight_sync
+
+        if weight_sync is not None and weight_sync not in WEIGHT_SYNC_CHOICES:
+            raise ConfigError(f"`weight_sync` is {weight_sync!r}; it must be one of {', '.join(WEIGHT_SYNC_CHOICES)}.")
+        weight_sync = resolve_weight_sync(cfg, weight_sync)
         self.cfg = cfg
         self.admin_timeout = admin_timeout
         self.weight_sync = weight_sync
+        self._sync: Any = None  # the WeightSync, built at the first sync
         self.log_dir = log_dir
         self.pool: Any = None
         self._closed = False
@@ -79,6 +101,13 @@ class RolloutRuntime:
         self._task: Any = None
         self._engine_model = engine_model
         self._tokenizer: Any = None
+        self._flows: list[Any] = []  # flows built here, closed at shutdown (a tool flow owns sandboxes)
+        gpu_plan: Any = None
+        if client is None and cfg.rollout.backend == "sglang":
+            from lightning_fasync.rollout.backends import check_sglang_backend
+
+            # What SGLang cannot serve as configured is refused before anything is read, built or started.
+            gpu_plan = check_sglang_backend(cfg, engine_model, plan.num_replicas, engine_threads)
         if datasource is None:
             datasource = self._build_datasource()
         # The synthetic task's reward reads token ids: no decoding of every response for it.
@@ -111,6 +140,13 @@ class RolloutRuntime:
             tokenizer=self._try_tokenizer() if decode else None, name="data_source.reward",
         )
         reward = self.reward_runner
+        # The eval sets (prompts read once, rewards) before the engines start: they size the context too.
+        self._eval_sets: list[_EvalSet] = []
+        try:
+            self._eval_sets = self._build_eval_sets()
+        except BaseException:
+            self.reward_runner.close()
+            raise
         context = cfg.rollout.sglang_args.context_length
         if context is None:
             longest = datasource.max_prompt_length
@@ -120,13 +156,32 @@ class RolloutRuntime:
                     "know its longest prompt; set the context length."
                 )
             context = longest + cfg.rollout.max_response_length + 1
+            eval_budget = cfg.eval.sampling.max_response_length or cfg.rollout.max_response_length
+            context = max([context, *(e.longest_prompt + eval_budget + 1 for e in self._eval_sets)])
         self._client_given = client is not None
-        if client is not None and not callable(getattr(client, f"update_weights_from_{weight_sync}", None)):
+        from lightning_fasync.rollout.client import SGLangClient
+
+        if (client is not None and not isinstance(client, SGLangClient)
+                and not callable(getattr(client, f"update_weights_from_{weight_sync}", None))):
             raise ConfigError(
                 f"The engine client {type(client).__name__} has no update_weights_from_{weight_sync}(); weight sync "
-                f"`{weight_sync}` needs it (SGLangClient has both update_weights_from_tensor and update_weights_from_disk)."
+                f"`{weight_sync}` needs it (an SGLangClient speaks every path itself)."
             )
-        if client is None:
+        self.colocate_offload = colocate_offload
+        missing = [m for m in ("release_memory_occupation", "resume_memory_occupation")
+                   if client is not None and not callable(getattr(client, m, None))]
+        if colocate_offload and missing:
+            raise ConfigError(
+                f"`colocate_offload` is on but the engine client {type(client).__name__} has no {missing[0]}(); the "
+                "colocate step releases and resumes the engines' memory through it (SGLangClient has both)."
+            )
+        startup_timeout = cfg.rollout.engine_startup_timeout if engine_startup_timeout is None else engine_startup_timeout
+        if client is None and cfg.rollout.backend != "embedded":
+            from lightning_fasync.rollout.backends import start_backend
+
+            self.pool = start_backend(cfg, engine_model, gpu_plan, context, log_dir, startup_timeout,
+                                      server_args=["--enable-memory-saver"] if colocate_offload else [])
+        elif client is None:
             if not engine_model:
                 raise PipelineError(
                     "The rollout engines need to know what to load: pass engine_model= (a preset such as 'tiny' or a "
@@ -142,7 +197,9 @@ class RolloutRuntime:
                 max_running_requests=cfg.rollout.sglang_args.max_running_requests,
                 cpu_cores=plan.replica_cores,
                 context_length=context,
-                startup_timeout=engine_startup_timeout,
+                startup_timeout=startup_timeout,
+                # SGLang's flag: without it /release_memory_occupation frees nothing.
+                server_args=["--enable-memory-saver"] if colocate_offload else [],
             ).start()
         try:
             if pin:
@@ -153,27 +210,20 @@ class RolloutRuntime:
                 client = self.pool.client(max_connections=cfg.agentflow.router.max_connections,
                                           generate_timeout_s=cfg.rollout.request_timeout)
             if flow is None:
-                stop = cfg.rollout.stop_token_ids
-                if stop is None:
-                    if src.path or (src.datasource and self._try_tokenizer() is not None):
-                        from lightning_fasync.data.files import stop_token_ids
-
-                        stop = stop_token_ids(self.tokenizer)
-                    else:
-                        stop = self.task.stop_token_ids
                 sampling = SamplingParams(
                     temperature=cfg.rollout.temperature,
                     top_p=cfg.rollout.top_p,
                     top_k=cfg.rollout.top_k,
-                    stop_token_ids=list(stop),
+                    stop_token_ids=self._stop_token_ids(src),
                 )
-                flow = instantiate(
-                    cfg.agentflow.flow, "agentflow.flow", cfg.agentflow.flow_args,
-                    client=client, sampling=sampling, max_response_length=cfg.rollout.max_response_length, reward_fn=reward,
-                )
-            self.controller = FullyAsyncController(cfg, datasource, flow, client, log_dir=log_dir)
+                flow = self._build_flow(client, sampling, cfg.rollout.max_response_length, reward)
+            evaluator = self._build_evaluator(client)
+            self.controller = FullyAsyncController(cfg, datasource, flow, client, log_dir=log_dir, evaluator=evaluator,
+                                                   colocate_offload=colocate_offload)
             self.controller.metric_sources.append(self.reward_runner.metrics)
-            if self.pool is not None:
+            if callable(getattr(flow, "metrics", None)):  # e.g. ToolAgentFlow's agent/* counts
+                self.controller.metric_sources.append(flow.metrics)
+            if self.pool is not None and cfg.rollout.backend == "embedded":  # nobody restarts the others' servers
                 er = cfg.rollout.engine_restart
                 state = self.controller.state
                 supervisor = self.pool.supervise(
@@ -187,6 +237,8 @@ class RolloutRuntime:
             if self.pool is not None:
                 self.pool.stop()
             self.reward_runner.close()
+            for eval_set in self._eval_sets:
+                eval_set.reward.close()
             raise
 
     @property
@@ -219,8 +271,10 @@ class RolloutRuntime:
         except (ConfigError, ValueError, OSError):
             return None
 
-    def _build_datasource(self) -> DataSource:
-        src = self.cfg.sources[0]
+    def _build_datasource(self, src: Optional[DataSourceConfig] = None, key: str = "data_source", task: Any = None) -> DataSource:
+        """``src``'s datasource (default: the training one); ``key`` names it in errors; ``task``
+        makes the prompts when neither ``path`` nor ``datasource`` is set (default: ``self.task``)."""
+        src = src or self.cfg.sources[0]
         if src.path:
             from lightning_fasync.data.files import FileDataSource
 
@@ -230,64 +284,221 @@ class RolloutRuntime:
                 shuffle=src.shuffle, seed=src.seed,
             )
         if src.datasource:
-            factory = load_object(src.datasource, "data_source.datasource")
+            factory = load_object(src.datasource, f"{key}.datasource")
             # A datasource that renders prompts takes the policy's tokenizer (unless its args give one).
             injected = {}
             if "tokenizer" not in src.datasource_args and "tokenizer" in inspect.signature(factory).parameters:
                 injected["tokenizer"] = self.tokenizer
-            ds = instantiate(src.datasource, "data_source.datasource", src.datasource_args, **injected)
+            ds = instantiate(src.datasource, f"{key}.datasource", src.datasource_args, **injected)
             if not isinstance(ds, DataSource):
-                raise ConfigError(f"`data_source.datasource` built a {type(ds).__name__}, which is not a DataSource.")
+                raise ConfigError(f"`{key}.datasource` built a {type(ds).__name__}, which is not a DataSource.")
             return ds
-        prompts = self.task.make_prompts(src.num_prompts, src.seed)
+        prompts = (task or self.task).make_prompts(src.num_prompts, src.seed)
         return ListDataSource(prompts, shuffle=src.shuffle, seed=src.seed)
 
+    # ------------------------------------------------------------------ evaluation (eval.*)
+
+    def _build_eval_sets(self) -> list["_EvalSet"]:
+        """The ``eval.data_source`` sets, built as the training source is: prompts (the first epoch,
+        at most ``num_prompts``, read once), reward (off the event loop, with its timeout) and stop tokens."""
+        from lightning_fasync.data.tasks import make_task
+        from lightning_fasync.pipeline.evaluator import take_samples
+        from lightning_fasync.pipeline.reward_runner import RewardRunner
+
+        out: list[_EvalSet] = []
+        try:
+            for i, src in enumerate(self.cfg.eval.data_source):
+                key = f"eval.data_source[{i}]"
+                task = None if src.path or src.datasource else make_task(src.task, **src.task_args)
+                samples = take_samples(self._build_datasource(src, key, task), src.num_prompts)
+                if not samples:
+                    raise ConfigError(f"`{key}` ({src.name!r}) yields no prompts; an eval set needs at least one.")
+                # validate() makes files and datasources name their reward; a task scores its own.
+                reward = load_object(src.reward, f"{key}.reward") if src.reward else task.reward
+                runner = RewardRunner(
+                    reward, timeout_s=src.reward_timeout, processes=src.reward_processes,
+                    tokenizer=self._try_tokenizer() if src.reward else None, name=f"{key}.reward",
+                )
+                out.append(_EvalSet(src.name, samples, runner, self._stop_token_ids(src, task),
+                                    max(len(s.input_ids) for s in samples)))
+        except BaseException:
+            for eval_set in out:
+                eval_set.reward.close()
+            raise
+        return out
+
+    def _stop_token_ids(self, src: DataSourceConfig, task: Any = None) -> list[int]:
+        """``rollout.stop_token_ids``, else the tokenizer's end-of-turn tokens for prompts from files
+        (or a datasource, when the policy has a tokenizer), else the task's EOS."""
+        stop = self.cfg.rollout.stop_token_ids
+        if stop is None:
+            if src.path or (src.datasource and self._try_tokenizer() is not None):
+                from lightning_fasync.data.files import stop_token_ids
+
+                stop = stop_token_ids(self.tokenizer)
+            else:
+                stop = (task or self.task).stop_token_ids
+        return list(stop)
+
+    def _build_evaluator(self, client: EngineClient) -> Optional[Evaluator]:
+        """The evaluator of ``eval.*`` (None without eval sets): per set, an agent flow built like the
+        training flow (``agentflow.flow``) with the eval sampling, its own reward and request ids
+        ``eval-<name>-``, on an engine client of its own."""
+        if not self._eval_sets:
+            return None
+        cfg = self.cfg
+        sp = cfg.eval.sampling
+        # The evaluator runs on its own event loop, not the producer's, and an HTTP client's
+        # connections belong to the loop that opened them: a client of its own.
+        own = self.pool is not None or callable(getattr(client, "clone", None))
+        if self.pool is not None:
+            eval_client = self.pool.client(max_connections=cfg.agentflow.router.max_connections,
+                                           generate_timeout_s=cfg.rollout.request_timeout)
+        else:
+            eval_client = client.clone() if own else client  # type: ignore[attr-defined]
+        sources = []
+        for eval_set in self._eval_sets:
+            sampling = SamplingParams(
+                temperature=0.0 if sp.greedy else sp.temperature,  # SGLang: temperature 0 is greedy
+                top_p=1.0 if sp.greedy else sp.top_p,
+                top_k=-1 if sp.greedy else sp.top_k,
+                stop_token_ids=eval_set.stop,
+            )
+            flow = self._build_flow(eval_client, sampling, sp.max_response_length or cfg.rollout.max_response_length,
+                                    eval_set.reward, rid_prefix=f"eval-{eval_set.name}-")
+            sources.append(EvalSource(eval_set.name, flow, eval_set.samples))
+        return Evaluator(sources, n=sp.n, timeout=cfg.eval.timeout, accuracy_threshold=cfg.eval.accuracy_threshold,
+                         max_connections=cfg.agentflow.router.max_connections, client=eval_client if own else None)
+
+    def _build_flow(self, client: EngineClient, sampling: SamplingParams, max_response_length: int, reward: Any,
+                    rid_prefix: Optional[str] = None) -> AgentFlow:
+        """``agentflow.flow`` built with the runtime's objects and ``agentflow.flow_args``; ``rid_prefix``
+        replaces the flow's own request-id prefix (when it has one)."""
+        af = self.cfg.agentflow
+        args = dict(af.flow_args)
+        injected: dict[str, Any] = {"client": client, "sampling": sampling, "max_response_length": max_response_length,
+                                    "reward_fn": reward}
+        if rid_prefix is not None:
+            params = inspect.signature(load_object(af.flow, "agentflow.flow")).parameters
+            if "rid_prefix" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                args.pop("rid_prefix", None)
+                injected["rid_prefix"] = rid_prefix
+        injected.update(self._agent_args(load_object(af.flow, "agentflow.flow"), args))
+        flow = instantiate(af.flow, "agentflow.flow", args, **injected)
+        if rid_prefix is not None and "rid_prefix" not in injected and hasattr(flow, "rid_prefix"):
+            flow.rid_prefix = rid_prefix
+        self._flows.append(flow)
+        return flow
+
+    def _agent_args(self, factory: Any, args: Mapping[str, Any]) -> dict[str, Any]:
+        """What a multi-turn flow takes beyond the four objects every flow gets, each when its
+        signature names it: the policy's ``tokenizer`` (unless ``flow_args`` give one, as a
+        datasource gets it), ``max_turns``, ``tools`` and ``sandbox`` (``agentflow.*``) and
+        ``max_connections`` (``agentflow.router.max_connections``, bounding each turn's request)."""
+        params = inspect.signature(factory).parameters
+        af = self.cfg.agentflow
+        offered = {"max_turns": af.max_turns, "tools": list(af.tools), "sandbox": af.sandbox,
+                   "max_connections": af.router.max_connections}
+        out = {key: value for key, value in offered.items() if key in params}
+        if "tokenizer" in params and "tokenizer" not in args:
+            out["tokenizer"] = self.tokenizer
+        return out
+
     def sync_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        """Push ``tensors`` to every engine as ``version`` (they flush their caches)."""
+        """Push ``tensors`` (Hugging Face names) to every engine as ``version`` over the
+        ``weight_sync`` path (:mod:`~lightning_fasync.rollout.weight_sync`); the engines flush
+        their caches. Only global rank 0 calls this.
 
-        async def push() -> None:
-            client = self._admin_client()
-            try:
-                if self.weight_sync == "tensor":
-                    if self.pool is not None:  # our own client: keep the file for restarted replicas
-                        kept = await client.update_weights_from_tensor(tensors, weight_version=version, keep=True)
-                    else:
-                        kept = await client.update_weights_from_tensor(tensors, weight_version=version)
-                else:
-                    kept = await self._push_disk(client, tensors, version)
-                if kept is not None and self.pool is not None:
-                    self.pool.keep_weights(self.weight_sync, kept, version)
-            finally:
-                if not self._client_given:
-                    await client.close()
-
+        Raises:
+            WeightSyncError: an engine failed or the update was partial (names the engine, the step).
+            PipelineError: the sync took longer than ``admin_timeout``.
+        """
+        controller = getattr(self, "controller", None)
+        step = controller.state.rollout_step if controller is not None else None
         # The pool's lock: a replica restarting meanwhile joins before or after this version, whole.
         lock = self.pool.sync_lock if self.pool is not None else contextlib.nullcontext()
         with lock:
             try:
-                asyncio.run(asyncio.wait_for(push(), self.admin_timeout))
+                asyncio.run(asyncio.wait_for(self._push(tensors, version, step), self.admin_timeout))
             except asyncio.TimeoutError:
-                raise PipelineError(f"The weight sync to the engines took longer than {self.admin_timeout:.0f} s.") from None
+                raise PipelineError(
+                    f"The weight sync of step {step} to the engines took longer than {self.admin_timeout:.0f} s "
+                    "(the driver's admin_timeout)."
+                ) from None
 
-    async def _push_disk(self, client: Any, tensors: Mapping[str, torch.Tensor], version: int) -> Optional[str]:
-        """Write a safetensors directory and have every engine load it; then remove it, or, with
-        a pool of our own, return it to be kept for restarted replicas."""
-        from safetensors.torch import save_file
-
-        root = os.path.join(self.log_dir, "weights") if self.log_dir else None
-        if root:
-            os.makedirs(root, exist_ok=True)
-        directory = tempfile.mkdtemp(prefix=f"v{version}-", dir=root)
-        keep = False
+    async def _push(self, tensors: Mapping[str, torch.Tensor], version: int, step: Optional[int]) -> None:
+        sync = self._weight_sync()
+        if sync is None:  # an engine client of the caller's own
+            await getattr(self._admin_client(), f"update_weights_from_{self.weight_sync}")(tensors, weight_version=version)
+            return
         try:
-            cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-            await asyncio.get_running_loop().run_in_executor(None, save_file, cpu, os.path.join(directory, "model.safetensors"))
-            await client.update_weights_from_disk(directory, weight_version=version)
-            keep = self.pool is not None
-        finally:
-            if not keep:
-                shutil.rmtree(directory, ignore_errors=True)
-        return directory if keep else None
+            kept = await sync.push(tensors, version, step)
+        finally:  # connections belong to this event loop, which ends with the push
+            await sync.client.close()
+            await sync.rpc.close()
+        if kept is not None:
+            self.pool.keep_weights(kept)
+
+    def _weight_sync(self) -> Any:
+        """The :class:`~lightning_fasync.rollout.weight_sync.WeightSync` of ``weight_sync`` (built
+        once: the ``distributed`` group lives across steps); None for a client of the caller's own."""
+        from lightning_fasync.rollout.client import SGLangClient
+        from lightning_fasync.rollout.weight_sync import make_weight_sync
+
+        if self._sync is None:
+            client = self._admin_client()
+            if not isinstance(client, SGLangClient):
+                return None
+            if self._client_given:
+                client = client.clone()  # its connections are the producer loop's
+            client.admin_timeout_s = self.admin_timeout
+            # Kept only where a supervisor restarts replicas (the embedded pool).
+            keep = getattr(self.pool, "supervisor", None) is not None
+            self._sync = make_weight_sync(
+                self.weight_sync, client, bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb * 2**20,
+                timeout_s=self.admin_timeout, keep=keep,
+                work_dir=os.path.join(self.log_dir, "weights") if self.log_dir else None,
+            )
+        return self._sync
+
+    # ------------------------------------------------------------------ colocate offload (engine side)
+    # The engines' half of the colocate stages (pipeline.controller.ColocateHooks), with SGLang's
+    # memory tags in slime's order: everything goes, weights come back for the sync, then the rest.
+
+    def offload_rollout(self) -> None:
+        """Every engine releases its weights, KV cache and CUDA graphs (``timing/offload_rollout``)."""
+        self._engine_memory("release", ["weights", "kv_cache", "cuda_graph"])
+
+    def onload_rollout_weights(self) -> None:
+        """Every engine takes its weights' memory back, before the weight sync fills it."""
+        self._engine_memory("resume", ["weights"])
+
+    def onload_rollout_kv(self) -> None:
+        """Every engine takes its KV cache (and CUDA graphs) back, after the weight sync."""
+        self._engine_memory("resume", ["kv_cache", "cuda_graph"])
+
+    def _engine_memory(self, action: str, tags: list[str]) -> None:
+        async def call() -> None:
+            client = self._admin_client()
+            try:
+                await getattr(client, f"{action}_memory_occupation")(tags)
+            finally:
+                if not self._client_given:
+                    await client.close()
+
+        # The pool's lock, as a weight sync: a replica restarting meanwhile joins in the state the others are in.
+        lock = self.pool.sync_lock if self.pool is not None else contextlib.nullcontext()
+        with lock:
+            try:
+                asyncio.run(asyncio.wait_for(call(), self.admin_timeout))
+            except asyncio.TimeoutError:
+                raise PipelineError(
+                    f"/{action}_memory_occupation {tags} on the engines took longer than {self.admin_timeout:.0f} s "
+                    "(the driver's admin_timeout)."
+                ) from None
+            if self.pool is not None and hasattr(self.pool, "released_tags"):
+                self.pool.released_tags = (self.pool.released_tags | set(tags)) if action == "release" \
+                    else (self.pool.released_tags - set(tags))
 
     @property
     def engine_lost(self) -> Optional[BaseException]:
@@ -321,11 +532,21 @@ class RolloutRuntime:
             self.controller.shutdown(raise_errors=raise_errors)
         except BaseException as exc:  # noqa: BLE001 - stop the engines too, then report
             errors.append(exc)
+        if self._sync is not None:  # before the engines stop: the distributed group is left cleanly
+            try:
+                asyncio.run(asyncio.wait_for(self._sync.close(), 30))
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
         if self.pool is not None:
             try:
                 self.pool.stop()
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
         self.reward_runner.close()
+        for eval_set in self._eval_sets:
+            eval_set.reward.close()
+        for flow in self._flows:
+            if callable(getattr(flow, "close", None)):
+                flow.close()
         if raise_errors and errors:
             raise errors[0]

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
+from lightning_fasync.config import WEIGHT_SYNC_CHOICES, ConfigError
 from lightning_fasync.lightning.resources import ResourcePlan, plan_cpu_resources
 
 
@@ -20,7 +21,8 @@ class FullyAsyncStrategy(SingleDeviceStrategy):
         rollout_replicas: engine replicas to start (each gets its own cores on CPU).
         trainer_cores, rollout_cores: explicit CPU split; by default half and half.
         engine_threads: torch threads per engine replica (default: its core count).
-        weight_sync: ``tensor`` (same host: one safetensors file in shared memory) or ``disk``.
+        weight_sync: the weight-sync path, overriding ``rollout.weight_sync``: ``distributed``,
+            ``tensor``, ``disk`` or ``auto`` (docs/weight_sync.md); None: the config's.
     """
 
     strategy_name = "fully_async"
@@ -32,14 +34,14 @@ class FullyAsyncStrategy(SingleDeviceStrategy):
         trainer_cores: Optional[list[int]] = None,
         rollout_cores: Optional[list[int]] = None,
         engine_threads: Optional[int] = None,
-        weight_sync: str = "tensor",
+        weight_sync: Optional[str] = None,
         **kwargs,
     ) -> None:
         if device is None:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         super().__init__(device=torch.device(device), **kwargs)
-        if weight_sync not in ("tensor", "disk"):
-            raise ValueError(f"`weight_sync` is {weight_sync!r}; it must be tensor or disk.")
+        if weight_sync is not None and weight_sync not in WEIGHT_SYNC_CHOICES:
+            raise ConfigError(f"`weight_sync` is {weight_sync!r}; it must be one of {', '.join(WEIGHT_SYNC_CHOICES)} or None.")
         if rollout_replicas < 1:
             raise ValueError(f"`rollout_replicas` is {rollout_replicas}; at least one engine replica is needed.")
         self.rollout_replicas = rollout_replicas

@@ -9,10 +9,11 @@ One outer step reads like the spec:
    clear TrajQueue, reset the strategy; groups already in the PipelineBuffer stay;
 3. aggregate the step's metrics; save a checkpoint when ``trainer.save_freq`` says so (the
    PipelineBuffer's unconsumed prompts are recorded in it); sync the new weights to every engine
-   (which flushes its cache);
+   (which flushes its cache); when ``eval.*`` says so, evaluate those weights on the engines
+   (:class:`~lightning_fasync.pipeline.evaluator.Evaluator`, outside the pipeline's accounting);
 4. ``resume()``: rollout step + 1, weight version + 1, production continues.
 
-:class:`StepSchedule` is the one place that decides when a boundary and a save are due;
+:class:`StepSchedule` is the one place that decides when a boundary, a save and an evaluation are due;
 :meth:`FullyAsyncController.pause` is the one pause-and-cleanup. The Lightning callback, the
 Fabric loop, the simulator and the control-plane benchmark all drive this controller; the live
 run and the simulator differ only in the :class:`Rollout` they plug in (threads and engines, or
@@ -32,6 +33,7 @@ from lightning_fasync.components import load_object
 from lightning_fasync.pipeline.collector import Collector
 from lightning_fasync.pipeline.datasource import DataSource
 from lightning_fasync.pipeline.engine_client import EngineClient
+from lightning_fasync.pipeline.evaluator import Evaluator
 from lightning_fasync.pipeline.events import EventLog, Ledger
 from lightning_fasync.pipeline.flow import AgentFlow
 from lightning_fasync.pipeline.metrics import StepTimer, aggregate_metrics
@@ -49,6 +51,28 @@ class StepHooks(Protocol):
 
     def sync_weights(self, version: int) -> None:
         """Push the trainer's weights to every engine as ``version``; engines flush their cache."""
+
+
+class ColocateHooks(StepHooks, Protocol):
+    """What colocate mode with ``colocate_offload`` also needs: the five stages (their names are
+    the spec's ``timing/*``) in which the engines and the trainer hand the shared devices over.
+    The order is slime's (``train.py``): rollout → offload_rollout → onload_train → train →
+    checkpoint → offload_train → onload_rollout_weights → weight sync → onload_rollout_kv."""
+
+    def offload_rollout(self) -> None:
+        """The engines release their weights and KV cache (they are idle: the step has paused)."""
+
+    def onload_train(self) -> None:
+        """The trainer moves model and optimizer state onto its device."""
+
+    def offload_train(self) -> None:
+        """The trainer moves model and optimizer state off its device."""
+
+    def onload_rollout_weights(self) -> None:
+        """The engines take back the memory of their weights (contents follow in the weight sync)."""
+
+    def onload_rollout_kv(self) -> None:
+        """The engines take back their KV cache; after this they can generate."""
 
 
 class Rollout(Protocol):
@@ -125,10 +149,19 @@ class StepSchedule:
     """Training calls finished in the current step."""
     force_save: bool = False
     """Save at the next boundary whatever ``save_freq`` says (a preempted run's last checkpoint)."""
+    eval_every: int = 0
+    """``eval.every_n_steps``: evaluate after every this many rollout steps; 0 never."""
+    eval_at_end: bool = False
+    """``eval.at_end``: also evaluate at the boundary that ends ``final_step``."""
+    final_step: Optional[int] = None
+    """The run's last rollout step, when the driver knows it (for ``eval.at_end``)."""
 
     @classmethod
     def from_config(cls, cfg: FasyncConfig) -> "StepSchedule":
-        return cls(calls_per_step=cfg.minibatches_per_step, save_freq=cfg.trainer.save_freq)
+        return cls(
+            calls_per_step=cfg.minibatches_per_step, save_freq=cfg.trainer.save_freq,
+            eval_every=cfg.eval.every_n_steps, eval_at_end=cfg.eval.at_end,
+        )
 
     def call_done(self) -> bool:
         """Count a finished training call; True (and a new count) when the step boundary is due."""
@@ -141,6 +174,15 @@ class StepSchedule:
     def save_due(self, step: int) -> bool:
         """Whether the boundary that ends rollout step ``step`` saves a checkpoint."""
         return self.force_save or (self.save_freq > 0 and (step + 1) % self.save_freq == 0)
+
+    def eval_due(self, step: int) -> bool:
+        """Whether the boundary that ends rollout step ``step`` evaluates (``eval.*``): counted from
+        the global rollout step, so a resumed run keeps the schedule. A boundary that ends the run
+        on a signal or on lost engines (``force_save``) does not evaluate."""
+        if self.force_save:
+            return False
+        every = self.eval_every > 0 and (step + 1) % self.eval_every == 0
+        return every or (self.eval_at_end and self.final_step is not None and step == self.final_step)
 
 
 def build_state(
@@ -185,6 +227,11 @@ class FullyAsyncController:
         clock: the clock of timings and event times (the simulator passes its virtual clock).
         rollout: ``state -> Rollout``; default: :class:`ThreadedRollout` over ``flow`` and ``client``.
         events_path: write the event log here instead of ``log_dir/events.jsonl``.
+        evaluator: evaluates the engines' weights at the boundaries ``eval.*`` names (closed on
+            shutdown); None: no evaluation.
+        colocate_offload: colocate mode hands the devices over between rollout and training
+            (:class:`ColocateHooks`; the driver resolves ``colocate_offload`` for its device with
+            :func:`~lightning_fasync.config.colocate_offload_enabled`). Ignored in fully-async mode.
     """
 
     def __init__(
@@ -198,8 +245,11 @@ class FullyAsyncController:
         clock: Callable[[], float] = time.perf_counter,
         rollout: Optional[Callable[[PipelineState], Rollout]] = None,
         events_path: Optional[str] = None,
+        evaluator: Optional[Evaluator] = None,
+        colocate_offload: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.evaluator = evaluator
         self.clock = clock
         t0 = clock()
         if events_path is None and log_dir and cfg.fully_async.event_log:
@@ -220,6 +270,9 @@ class FullyAsyncController:
         # More step metrics, read at each boundary on the main thread (e.g. the engine supervisor's).
         self.metric_sources: list[Callable[[], Mapping[str, float]]] = []
         self._rollout_done = False  # colocate: the current step's rollout phase has ended
+        # Colocate with offload: the spec's five stages (ColocateHooks); fully-async runs none of them.
+        self.offload = colocate_offload and self.colocate
+        self._handed_to_train = False  # offload_rollout + onload_train ran this step
         self._train_t0: Optional[float] = None
         self._in_boundary = False
         self._saved_step: Optional[int] = None
@@ -241,12 +294,18 @@ class FullyAsyncController:
         """The live producer (only with :class:`ThreadedRollout`)."""
         return self.rollout.producer  # type: ignore[attr-defined]
 
-    def start(self) -> None:
-        """Start producing (after any checkpoint restore)."""
+    def start(self, hooks: Optional[ColocateHooks] = None) -> None:
+        """Start producing (after any checkpoint restore and the first weight sync).
+
+        With colocate offload the trainer first moves its state off the devices (``hooks``, not
+        timed: set-up, as the first weight sync), so the engines have them for step 0's rollout.
+        """
         if self._closed:
             raise PipelineError("This FullyAsyncController was shut down; build a new one.")
         if self._started:
             return
+        if self.offload:
+            self._require_colocate_hooks(hooks).offload_train()
         self.rollout.start()
         self.timer.restart()
         self._started = True
@@ -264,6 +323,8 @@ class FullyAsyncController:
             self.rollout.stop()
         except BaseException as exc:  # noqa: BLE001 - close the logs first
             error = exc
+        if self.evaluator is not None:
+            self.evaluator.close()
         self.state.events.close()
         self.state.ledger.close()
         if raise_errors:
@@ -285,7 +346,7 @@ class FullyAsyncController:
         Returns ``(rollout_step, metrics)`` as :meth:`step_boundary` does.
         """
         while True:
-            groups = self.fetch()
+            groups = self.fetch(hooks)  # type: ignore[arg-type]
             batch: Any = groups
             if prepare is not None:
                 with self.timer.time("process_traj"):  # wait, not training (docs/contract.md §4)
@@ -296,12 +357,14 @@ class FullyAsyncController:
             if self.minibatch_done():
                 return self.step_boundary(hooks)
 
-    def fetch(self) -> list[TrajectoryGroup]:
+    def fetch(self, hooks: Optional[ColocateHooks] = None) -> list[TrajectoryGroup]:
         """M // N complete groups for one training call (main thread; ``timing/rollout``).
 
         Colocate mode: the first fetch of a step waits for the whole batch (B groups), then pauses
         rollout (``rollout.partial`` aborts the over-dispatched long tail, else waits for it) before
-        any training, so rollout and training never overlap.
+        any training, so rollout and training never overlap. With colocate offload it then hands
+        the devices to the trainer through ``hooks`` (``timing/offload_rollout``,
+        ``timing/onload_train``).
         """
         self.state.raise_if_error()
         k, timeout = self.cfg.groups_per_minibatch, self.cfg.fully_async.fetch_timeout
@@ -314,7 +377,19 @@ class FullyAsyncController:
             groups = self.state.try_fetch(k)
         if groups is None:  # only the main thread consumes, so the groups it waited for are there
             raise PipelineError(f"The PipelineBuffer lost groups between the wait and the fetch ({self.state.Q} < {k}).")
+        if self.offload and not self._handed_to_train:
+            hooks = self._require_colocate_hooks(hooks)
+            with self.timer.time("offload_rollout"):
+                hooks.offload_rollout()
+            with self.timer.time("onload_train"):
+                hooks.onload_train()
+            self._handed_to_train = True
         return groups
+
+    def _require_colocate_hooks(self, hooks: Optional[ColocateHooks]) -> ColocateHooks:
+        if hooks is None:
+            raise PipelineError("Colocate offload needs the driver's ColocateHooks: pass them to start() and fetch().")
+        return hooks
 
     def pause(self) -> None:
         """Stop dispatch, cancel or await in-flight requests, collect what may be collected, then
@@ -365,7 +440,7 @@ class FullyAsyncController:
     # ------------------------------------------------------------------ step boundary
 
     def step_boundary(self, hooks: StepHooks) -> tuple[int, dict[str, float]]:
-        """Pause, aggregate, checkpoint on ``save_freq``, sync weights, resume.
+        """Pause, aggregate, checkpoint on ``save_freq``, sync weights, evaluate on ``eval.*``, resume.
 
         Returns ``(rollout_step, metrics)``: the metrics of the step that just ended, to be logged
         on the main thread at that step.
@@ -393,6 +468,13 @@ class FullyAsyncController:
                 self.state.ledger.record("checkpoint", step=step, resume_step=step + 1)
                 self.state.ledger.flush()
                 self._saved_step = step
+            handover = self._handed_to_train  # colocate offload: the devices go back to the engines
+            if handover:
+                stages = self._require_colocate_hooks(hooks)  # type: ignore[arg-type]
+                with self.timer.time("offload_train"):
+                    stages.offload_train()
+                with self.timer.time("onload_rollout_weights"):
+                    stages.onload_rollout_weights()
             t0 = self.clock()
             with self.timer.time("update_weights"):
                 hooks.sync_weights(self.state.weight_version + 1)
@@ -400,14 +482,59 @@ class FullyAsyncController:
                 "sync", R=self.state.R, Q=self.state.Q, step=step, weight_version=self.state.weight_version + 1,
                 dur=round(self.clock() - t0, 6),
             )
+            if handover:  # after the sync, as slime: the KV cache comes back once the weights are in
+                with self.timer.time("onload_rollout_kv"):
+                    stages.onload_rollout_kv()
+                self._handed_to_train = False
         finally:
             self._in_boundary = False
+        if self.evaluator is not None and self.state.fault is None and self.schedule.eval_due(step):
+            # The engines serve the new weights and nothing is in flight: evaluate before dispatch
+            # resumes, so eval requests never meet training requests or their accounting.
+            metrics.update(self.evaluate(step, self.state.weight_version + 1))
         self.state.resume()
         self._rollout_done = False
         for key, value in self.timer.finish_step().items():
             metrics[key] = metrics.get(key, 0.0) + value if key.startswith("timing/") else value
         self.state.ledger.flush()
         self.state.events.flush()
+        return step, metrics
+
+    def evaluate(self, step: int, weight_version: int) -> dict[str, float]:
+        """Evaluate the weights the engines serve now (``weight_version``) and return the ``val/*``
+        metrics to log at ``step``; ``{}`` without an evaluator. Timed as ``timing/eval`` and
+        written to the event log as an ``eval`` event with its duration.
+
+        Main thread, with nothing in flight (inside a step boundary after the weight sync, or before
+        the pipeline starts). The pipeline state is not touched: eval requests take no sequence
+        number and never enter R, Q, the window, the buffer, the ledger or ``rollout/*``.
+        """
+        ev = self.evaluator
+        if ev is None:
+            return {}
+        st = self.state
+        t0 = self.clock()
+        with self.timer.time("eval"):
+            metrics = ev.run(step, interrupt=st.check_interrupt)
+        st.events.emit("eval", R=st.R, Q=st.Q, step=step, weight_version=weight_version, samples=ev.num_samples,
+                       dur=round(self.clock() - t0, 6))
+        st.events.flush()
+        return metrics
+
+    def evaluate_at_start(self) -> tuple[int, dict[str, float]]:
+        """``eval.at_start``: evaluate the starting weights once they are synced, before
+        :meth:`start`. Returns ``(step, metrics)`` to log, with ``timing/eval``: step is the rollout
+        step that produced these weights, ``rollout_step - 1`` (-1 for a fresh run). A resumed run
+        whose checkpoint's boundary evaluated them already (``eval.every_n_steps``) returns no metrics."""
+        if self._started:
+            raise PipelineError("evaluate_at_start() must run before the pipeline threads start.")
+        step = self.rollout_step - 1
+        if step >= 0 and self.schedule.eval_due(step):
+            return step, {}
+        t0 = self.clock()
+        metrics = self.evaluate(step, self.weight_version)
+        if metrics:
+            metrics["timing/eval"] = self.clock() - t0
         return step, metrics
 
     def save_after_fault(self, hooks: StepHooks) -> Optional[int]:

@@ -5,7 +5,9 @@
   (one training call) and ``sync`` carry ``dur``, their duration, and are written when they end.
   A live run and the simulator write the same format, so one timeline tool reads both. A run with
   its own engines also writes ``FAULT_EVENTS`` (engine and router faults, from the engine
-  supervisor) with their own fields, among them ``wall`` (Unix time).
+  supervisor) with their own fields, among them ``wall`` (Unix time). A run with ``eval.*`` writes
+  ``EVAL_EVENTS``: ``eval`` (an evaluation at a step boundary, with ``weight_version``, ``samples``
+  and ``dur``, written when it ends).
 - Ledger: one line per consumed group and per recycled or dropped prompt, so exactly-once
   consumption can be audited after a crash and resume.
 """
@@ -20,6 +22,7 @@ from typing import Any, Callable, Optional, TextIO
 EVENTS = ("dispatch", "complete", "collect", "consume", "train", "pause", "resume", "sync")
 FAULT_EVENTS = ("engine_dead", "engine_restarted", "engine_restart_failed", "engine_gave_up", "router_dead",
                 "router_restart_failed", "router_restarted", "engine_fatal")
+EVAL_EVENTS = ("eval",)
 
 # One encoder for every line: json.dumps with non-default separators builds a new encoder per
 # call, which dominated the cost of a step boundary that recycles hundreds of groups.

@@ -8,10 +8,9 @@ router does not proxy them. Works the same against the embedded engine and a rea
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
+import copy
 import time
-import uuid
+from dataclasses import dataclass
 from typing import Any, Awaitable, Mapping, Optional, Sequence
 
 import aiohttp
@@ -99,6 +98,48 @@ def parse_generate_response(rid: str, data: Mapping[str, Any]) -> GenerateResult
     )
 
 
+SGLANG_PROTOCOLS = ("0.5.15", "0.5.23")
+"""The SGLang HTTP API versions this client speaks."""
+
+
+@dataclass(frozen=True)
+class ServerProtocol:
+    """What one server says of its SGLang API (:func:`server_protocol`)."""
+
+    protocol: str
+    """``0.5.15`` or ``0.5.23``: the API the server speaks."""
+    version: Optional[str] = None
+    """The version ``/get_server_info`` reports; None when only ``/model_info`` answered."""
+    update_bracket: Optional[bool] = None
+    """Whether it has ``/begin_weight_update`` ... ``/end_weight_update``; None: not known from the
+    version (probed at the first weight update)."""
+
+
+def server_protocol(server_info: Optional[Mapping[str, Any]], model_info: Optional[Mapping[str, Any]] = None) -> ServerProtocol:
+    """The API a server speaks, from its ``/get_server_info`` (its ``version``) or, failing that,
+    its ``/model_info`` (0.5.23 added ``served_model_name``, ``load_format`` and the parsers to it).
+
+    SGLang 0.5.23 has the weight-update bracket and 0.5.15 does not; a release in between (or an
+    answer that only ``/model_info`` gives) leaves it unknown.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    reported = (server_info or {}).get("version")
+    if reported:
+        try:
+            version = Version(str(reported))
+        except InvalidVersion:
+            version = None
+        if version is not None:
+            if version.release[:3] >= (0, 5, 23):
+                return ServerProtocol("0.5.23", str(reported), True)
+            if version.release[:3] <= (0, 5, 15):
+                return ServerProtocol("0.5.15", str(reported), False)
+            return ServerProtocol("0.5.15", str(reported), None)
+    newer = model_info is not None and "served_model_name" in model_info and "load_format" in model_info
+    return ServerProtocol("0.5.23" if newer else "0.5.15", str(reported) if reported else None, None)
+
+
 class SGLangClient(EngineClient):
     """``EngineClient`` over HTTP for SGLang-compatible servers (embedded engine or real SGLang).
 
@@ -146,11 +187,19 @@ class SGLangClient(EngineClient):
         self.admin_timeout_s = admin_timeout_s
         self._session: Optional[aiohttp.ClientSession] = None
         self._has_update_bracket: Optional[bool] = None  # probed once: SGLang >= 0.5.23 has it
+        self.protocols: Optional[list[ServerProtocol]] = None  # per worker, from detect_protocol()
 
     @property
     def worker_urls(self) -> list[str]:
         """The replicas admin calls go to (the serving ones, when supervised)."""
         return self.workers.urls
+
+    def clone(self) -> "SGLangClient":
+        """A client of the same servers with connections of its own, for another event loop (an
+        aiohttp session belongs to the loop that opened it); the serving set stays shared."""
+        other = copy.copy(self)
+        other._session = None
+        return other
 
     async def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -229,8 +278,38 @@ class SGLangClient(EngineClient):
             if not task.done():
                 task.cancel()
 
+    async def detect_protocol(self) -> list[ServerProtocol]:
+        """Ask every worker which SGLang API it speaks (``/get_server_info``'s ``version``, else
+        ``/model_info``); when that settles whether they have the weight-update bracket, it is used
+        instead of probing ``/begin_weight_update``."""
+
+        async def one(url: str) -> ServerProtocol:
+            info = await self._request("GET", url + "/get_server_info", missing_ok=True)
+            info = info if isinstance(info, Mapping) else None
+            model = None
+            if not (info and info.get("version")):
+                model = await self._request("GET", url + "/model_info", missing_ok=True)
+            return server_protocol(info, model if isinstance(model, Mapping) else None)
+
+        found = [p for p in await asyncio.gather(*(self._on_worker(u, one(u)) for u in self.worker_urls))
+                 if p is not _SKIPPED]
+        self.protocols = found
+        brackets = {p.update_bracket for p in found}
+        if self._has_update_bracket is None and len(brackets) == 1 and None not in brackets:
+            self._has_update_bracket = brackets.pop()
+        return found
+
+    @property
+    def protocol(self) -> Optional[str]:
+        """The oldest API among the workers (``0.5.15`` or ``0.5.23``), once detected; else None."""
+        return min((p.protocol for p in self.protocols), key=SGLANG_PROTOCOLS.index) if self.protocols else None
+
     async def begin_weight_update(self) -> bool:
         """Open SGLang 0.5.23's weight-update bracket on every worker; False where servers lack it (0.5.15)."""
+        if self._has_update_bracket is None and self.protocols is None:
+            await self.detect_protocol()  # the version decides; a probe only where it cannot
+        if self._has_update_bracket is False:
+            return False
         results = await self._all_workers("POST", "/begin_weight_update", {}, missing_ok=self._has_update_bracket is None)
         if self._has_update_bracket is None:
             self._has_update_bracket = all(r is not None for r in results)
@@ -322,6 +401,18 @@ class SGLangClient(EngineClient):
         """``/continue_generation`` on every worker."""
         await self._all_workers("POST", "/continue_generation", {})
 
+    async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        """SGLang's ``/release_memory_occupation`` on every worker: free the memory of ``tags``
+        (``weights``, ``kv_cache``, ``cuda_graph``; None: all) until :meth:`resume_memory_occupation`.
+        The workers must be idle; they free memory only when started with ``--enable-memory-saver``.
+        Each call is bounded by ``admin_timeout_s``."""
+        await self._all_workers("POST", "/release_memory_occupation", {"tags": None if tags is None else list(tags)})
+
+    async def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None) -> None:
+        """SGLang's ``/resume_memory_occupation`` on every worker: reallocate what ``tags`` released.
+        Resumed weights hold no trained values until the next weight update."""
+        await self._all_workers("POST", "/resume_memory_occupation", {"tags": None if tags is None else list(tags)})
+
     async def update_weights_from_disk(self, model_path: str, weight_version: Optional[int] = None, flush_cache: bool = True) -> None:
         """Every worker loads safetensors weights from ``model_path`` (a directory or file)."""
         body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
@@ -329,47 +420,20 @@ class SGLangClient(EngineClient):
             body["weight_version"] = str(weight_version)
         self._check_success(await self._all_workers("POST", "/update_weights_from_disk", body))
 
-    async def update_weights_from_tensor(
-        self, named_tensors: Mapping[str, Any], weight_version: Optional[int] = None, shm_dir: str = "/dev/shm",
-        keep: bool = False,
-    ) -> Optional[str]:
-        """Same-host update: write one safetensors file to shared memory; every worker maps it in.
+    async def update_weights_from_tensor(self, named_tensors: Mapping[str, Any], weight_version: Optional[int] = None,
+                                         bucket_bytes: int = 512 * 2**20) -> None:
+        """Same-host update in SGLang's own format: ``/update_weights_from_tensor`` with flattened
+        buckets serialised as SGLang's ``MultiprocessingSerializer`` does (shared memory on CPU, CUDA
+        IPC on GPU), inside the weight-update bracket where the servers have it. It does not pause
+        generation; a trainer's sync goes through :mod:`~lightning_fasync.rollout.weight_sync`, which does.
 
-        The file is removed once every worker has answered, unless ``keep``: then its path is
-        returned and the caller owns it (``RolloutPool.keep_weights``, for restarted replicas).
+        Raises:
+            WeightSyncError: an ``EngineError`` naming the engine that failed.
         """
-        from safetensors.torch import save_file
+        from lightning_fasync.rollout.weight_sync import TensorWeightSync
 
-        directory = shm_dir if os.path.isdir(shm_dir) else tempfile.gettempdir()
-        path = os.path.join(directory, f"fasync-weights-{uuid.uuid4().hex}.safetensors")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in named_tensors.items()}
-        await asyncio.get_running_loop().run_in_executor(None, save_file, tensors, path)
-        try:
-            await self.load_weights_file("tensor", path, weight_version)
-        except BaseException:
-            os.unlink(path)
-            raise
-        if keep:
-            return path
-        os.unlink(path)
-        return None
-
-    async def load_weights_file(self, kind: str, path: str, weight_version: Optional[int] = None) -> None:
-        """Every worker loads weights already written: ``tensor``, one safetensors file through
-        ``/update_weights_from_tensor`` (same host); ``disk``, a directory through
-        ``/update_weights_from_disk``."""
-        if kind == "disk":
-            await self.update_weights_from_disk(path, weight_version)
-            return
-        body: dict[str, Any] = {"safetensors_path": path, "flush_cache": True, "abort_all_requests": False}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        bracket = await self.begin_weight_update()
-        try:
-            self._check_success(await self._all_workers("POST", "/update_weights_from_tensor", body))
-        finally:
-            if bracket:
-                await self.end_weight_update()
+        sync = TensorWeightSync(self, bucket_bytes=bucket_bytes, timeout_s=self.admin_timeout_s, pause_mode=None)
+        await sync.push(named_tensors, weight_version)
 
     async def update_weight_version(self, weight_version: int) -> None:
         """Relabel the current weights on every worker."""

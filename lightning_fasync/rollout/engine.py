@@ -36,6 +36,9 @@ CONTROL_TIMEOUT_S = 120.0
 # rest a few steps later while the server is still parsing them. A busy engine never waits.
 ADMIT_QUIET_S = 0.001
 ADMIT_MAX_WAIT_S = 0.01
+# SGLang's memory tags (``srt/constants.py``, ``GPU_MEMORY_ALL_TYPES``), in its order: what
+# /release_memory_occupation and /resume_memory_occupation take; no tags means all of them.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
 
 
 class EngineDeadError(RuntimeError):
@@ -144,6 +147,8 @@ class Engine:
         return_original_logprob: Report log-probs of the raw logits at temperature 1 instead of
             SGLang's default (temperature-scaled; see ``rollout/sampling.py``), as SGLang does under
             ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``.
+        enable_memory_saver: Free the released memory in ``release_memory_occupation`` (SGLang's
+            ``--enable-memory-saver``); without it the calls are accepted and free nothing, as in SGLang.
     """
 
     def __init__(
@@ -157,6 +162,7 @@ class Engine:
         seed: int = 0,
         allow_auto_truncate: bool = False,
         return_original_logprob: bool = False,
+        enable_memory_saver: bool = False,
     ) -> None:
         self.max_running_requests = max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self.context_length = context_length or min(
@@ -182,6 +188,8 @@ class Engine:
         self._stopping = False
         self.fatal_error: Optional[BaseException] = None
         self.steps = 0
+        self.enable_memory_saver = enable_memory_saver
+        self.released_tags: set[str] = set()  # engine thread writes; see release_memory_occupation
         self._thread = threading.Thread(target=self._run, name="fasync-engine", daemon=True)
         self._thread.start()
 
@@ -195,6 +203,11 @@ class Engine:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def memory_released(self) -> bool:
+        """True while released memory is actually freed: requests then wait in the queue."""
+        return self.enable_memory_saver and bool(self.released_tags)
 
     def validate(self, req: EngineRequest) -> None:
         """Raise ``ValueError`` naming what is wrong with a request (the server's 400 message)."""
@@ -347,7 +360,8 @@ class Engine:
         Returns:
             The number of tensors copied.
         """
-        params = dict(self.model.named_parameters())
+        # Tied parameters (lm_head.weight = embed_tokens.weight) answer to both names, as in a state dict.
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         params.update(dict(self.model.named_buffers()))
         unknown = [n for n in named_tensors if n not in params]
         if unknown:
@@ -359,10 +373,13 @@ class Engine:
                 )
 
         def op() -> int:
+            if self.enable_memory_saver and "weights" in self.released_tags:
+                raise ValueError("The weights are released (/release_memory_occupation); resume them with "
+                                 "/resume_memory_occupation {\"tags\": [\"weights\"]} before updating them.")
             with torch.no_grad():
                 for name, tensor in named_tensors.items():
                     params[name].copy_(tensor)
-            self.runner.refresh_weights()
+            self.runner.refresh_weights(named_tensors.keys())  # the layers these belong to
             if weight_version is not None:
                 self.weight_version = str(weight_version)
             return len(named_tensors)
@@ -376,6 +393,87 @@ class Engine:
             self.weight_version = str(version)
 
         self._call(op)
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> int:
+        """SGLang's ``/release_memory_occupation``: free the memory of ``tags`` until
+        :meth:`resume_memory_occupation` (None or empty: every tag in ``MEMORY_TAGS``).
+
+        As in SGLang the engine must be idle (requests queued while paused are allowed; they wait).
+        ``kv_cache`` frees the KV cache, ``weights`` the parameters and their fused copies (shapes,
+        names and buffers stay), ``cuda_graph`` nothing (the engine captures no CUDA graphs). Without
+        ``enable_memory_saver`` nothing is freed, as SGLang without ``--enable-memory-saver``.
+        While anything is freed, requests wait in the queue and weight updates are refused.
+
+        Returns:
+            The bytes freed.
+
+        Raises:
+            ValueError: an unknown tag, a tag already released, or requests still running.
+        """
+        tags = _memory_tags(tags)
+
+        def op() -> int:
+            again = [t for t in tags if t in self.released_tags]
+            if again:
+                raise ValueError(f"`tags` holds {again[0]!r}, which is released already; resume it first.")
+            with self._cond:
+                waiting = 0 if self._paused else len(self._waiting)
+            if self._running or waiting:
+                raise ValueError(
+                    f"release_memory_occupation needs an idle engine (as SGLang): {len(self._running)} running and "
+                    f"{waiting} waiting request(s); abort them or pause generation first."
+                )
+            freed = 0
+            if self.enable_memory_saver:
+                if "kv_cache" in tags:
+                    freed += self.runner.release_kv_cache()
+                if "weights" in tags:
+                    freed += self.runner.release_weights()
+            self.released_tags.update(tags)
+            return freed
+
+        freed = self._call(op)
+        if self.enable_memory_saver:
+            logger.info("Released memory %s: %.1f MiB freed.", ",".join(tags), freed / 2**20)
+        else:
+            logger.info("Released memory %s: nothing freed (the server runs without --enable-memory-saver).",
+                        ",".join(tags))
+        return freed
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """SGLang's ``/resume_memory_occupation``: reallocate what ``tags`` released (None or empty:
+        every tag). Resumed weights are zeros, as SGLang's resumed memory does not keep its old
+        contents: load weights (a weight update) before generating. The KV cache comes back empty.
+
+        Raises:
+            ValueError: an unknown tag, or one that is not released.
+        """
+        tags = _memory_tags(tags)
+
+        def op() -> None:
+            resident = [t for t in tags if t not in self.released_tags]
+            if resident:
+                raise ValueError(f"`tags` holds {resident[0]!r}, which is not released; release it first.")
+            if self.enable_memory_saver:
+                if "weights" in tags:
+                    self.runner.resume_weights()
+                if "kv_cache" in tags:
+                    self.runner.resume_kv_cache()
+            self.released_tags.difference_update(tags)
+            with self._cond:
+                self._cond.notify_all()  # queued requests may run now
+
+        self._call(op)
+        logger.info("Resumed memory %s.", ",".join(tags))
+
+    def memory_usage(self) -> dict[str, Any]:
+        """What the weights and the KV cache hold now, in SGLang's ``memory_usage`` units (GB), plus
+        the bytes and the released tags."""
+        held = self.runner.memory_bytes()
+        return {"weight": round(held["weights"] / 2**30, 3), "kvcache": round(held["kv_cache"] / 2**30, 3),
+                "weight_bytes": held["weights"], "kvcache_bytes": held["kv_cache"],
+                "released_tags": [t for t in MEMORY_TAGS if t in self.released_tags],
+                "enable_memory_saver": self.enable_memory_saver}
 
     def loads(self) -> dict[str, Any]:
         """Load figures for ``/v1/loads`` and ``/get_load``."""
@@ -429,7 +527,8 @@ class Engine:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._ops or (not self._paused and (self._waiting or self._running))):
+                    while not (self._stopping or self._ops or (not self._paused and not self.memory_released
+                                                               and (self._waiting or self._running))):
                         self._cond.wait(timeout=1.0)
                     if self._stopping:
                         break
@@ -439,7 +538,7 @@ class Engine:
                         fut.set_result(fn())
                     except Exception as exc:  # handed to the caller, who re-raises it
                         fut.set_exception(exc)
-                if self._paused:
+                if self._paused or self.memory_released:  # no cache or weights to run on: requests wait
                     continue
                 if not self._running:
                     self._await_burst()
@@ -667,6 +766,16 @@ class Engine:
             fut.set_exception(error)
         for req in pending + list(self._running):
             self._finish(req, {"type": "abort", "message": str(error), "status_code": 503}, error)
+
+
+def _memory_tags(tags: Optional[list[str]]) -> list[str]:
+    """The tags of a memory call, checked; None or empty means all (SGLang)."""
+    if not tags:
+        return list(MEMORY_TAGS)
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"`tags` holds {unknown[0]!r}; SGLang's memory tags are {', '.join(MEMORY_TAGS)}.")
+    return list(dict.fromkeys(tags))
 
 
 def _model_eos_ids(model: Any) -> list[int]:

@@ -68,11 +68,12 @@ class ServerHandle:
             return f"<no log: {exc}>"
 
     def wait_healthy(self, timeout: float, api_key: Optional[str] = None, path: str = "/health",
-                     should_stop: Callable[[], bool] = lambda: False) -> None:
+                     should_stop: Callable[[], bool] = lambda: False, timeout_key: Optional[str] = None) -> None:
         """Poll ``path`` until it answers 200, the child exits, or ``timeout`` passes.
 
         ``should_stop``: polled between probes; when it turns true the child is stopped and
         :class:`ServerStartError` raised (a shutdown during a restart).
+        ``timeout_key``: the config key of ``timeout``, named in the error when it passes.
         """
         deadline = time.monotonic() + timeout
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -96,7 +97,8 @@ class ServerHandle:
                 self.keep_log = True
                 self.stop()
                 raise ServerStartError(
-                    f"{self.name} (pid {self.pid}) did not answer {self.url}{path} within {timeout:.0f} s. "
+                    f"{self.name} (pid {self.pid}) did not answer {self.url}{path} within {timeout:.0f} s"
+                    f"{f' (`{timeout_key}`)' if timeout_key else ''}. "
                     f"Output tail (full log: {self.log_path}):\n{tail}"
                 )
             time.sleep(0.2)
@@ -139,9 +141,14 @@ class ServerHandle:
         return f"ServerHandle({self.name}, url={self.url}, pid={self.pid}, alive={self.alive()})"
 
 
-def _spawn(cmd: list[str], name: str, env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, str]:
-    fd, log_path = tempfile.mkstemp(prefix=f"fasync-{name}-", suffix=".log")
-    with os.fdopen(fd, "wb") as log:
+def _spawn(cmd: list[str], name: str, env: Optional[dict[str, str]] = None,
+           log_path: Optional[str] = None) -> tuple[subprocess.Popen, str]:
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix=f"fasync-{name}-", suffix=".log")
+        log_file = os.fdopen(fd, "wb")
+    else:
+        log_file = open(log_path, "ab")
+    with log_file as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, start_new_session=True)
     return proc, log_path
@@ -215,6 +222,7 @@ def launch_router(
     timeout: float = 60.0,
     api_key: Optional[str] = None,
     extra_args: Sequence[str] = (),
+    log_path: Optional[str] = None,
 ) -> ServerHandle:
     """Start the real ``sglang-router`` in front of ``worker_urls`` and wait until it is healthy.
 
@@ -226,6 +234,7 @@ def launch_router(
         timeout: Seconds to wait for the router's ``/health``.
         api_key: Passed to the router (``--api-key``), which forwards it to the workers.
         extra_args: More router flags.
+        log_path: Where its output goes (kept after a stop); None: a temporary file.
 
     Returns:
         The router's handle (stopped by pid like an engine).
@@ -236,11 +245,15 @@ def launch_router(
            "--worker-urls", *worker_urls,
            "--host", host, "--port", str(port), "--policy", policy, "--log-level", "warn",
            "--shutdown-grace-period-secs", "2",
-           "--worker-startup-timeout-secs", str(int(timeout))]
+           "--worker-startup-timeout-secs", str(int(timeout)),
+           # Its metrics exporter would bind 0.0.0.0:29000: a second router on the host could not start.
+           "--prometheus-host", host, "--prometheus-port", str(free_port(host))]
     if api_key:
         cmd += ["--api-key", api_key]
     cmd += list(extra_args)
-    proc, log_path = _spawn(cmd, f"router-{port}")
+    keep_log = log_path is not None
+    proc, log_path = _spawn(cmd, f"router-{port}", log_path=log_path)
     handle = ServerHandle(proc, f"http://{host}:{port}", log_path, f"sglang-router@{port}")
+    handle.keep_log = handle.keep_log or keep_log
     handle.wait_healthy(timeout, api_key)
     return handle

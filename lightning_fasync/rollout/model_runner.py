@@ -23,13 +23,15 @@ so the step is written to issue few ops:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import re
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 PREFILL_MAX_TOKENS = 8192  # padded tokens per batched prefill forward
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's parameter
 
 
 class UnsupportedModelError(ValueError):
@@ -160,6 +162,7 @@ class ModelRunner:
         self._v_flat = [c.view(-1, self.head_dim) for c in self.v_cache]
         self._k_rows = [c.view(-1, context_length, self.head_dim) for c in self.k_cache]
         self._v_rows = [c.view(-1, context_length, self.head_dim) for c in self.v_cache]
+        self._weight_bytes: dict[int, tuple[Any, int]] = {}  # released parameter storages -> their bytes
         self.refresh_weights()
 
     @torch.no_grad()
@@ -173,7 +176,7 @@ class ModelRunner:
         self._cos, self._sin_signed = cos[0].to(self.dtype), (sin[0] * sign).to(self.dtype)
 
     @torch.no_grad()
-    def refresh_weights(self) -> None:
+    def refresh_weights(self, names: Optional[Iterable[str]] = None) -> None:
         """Rebuild the fused q|k|v and gate|up matrices (and the folded lm_head) from the HF parameters.
 
         One matmul instead of three (two) per layer is a sizeable share of a small model's decode
@@ -181,36 +184,57 @@ class ModelRunner:
         norm's output (``(w * n) @ W.T == n @ (W * w).T``), which saves one op per norm; in other
         dtypes the HF norm module runs as is. The engine calls this after every weight update, so
         the fused copies never go stale.
+
+        Args:
+            names: The parameters a weight update changed: only the layers they belong to (and the
+                lm_head fold, for any other name) are rebuilt, so an update sent in many buckets
+                rebuilds each layer once. None: everything.
         """
-        fold = self._fold
-        self._fused: list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = []
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-            biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-            bias = None if any(b is None for b in biases) else torch.cat(biases)
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            if fold:
-                w = w * layer.input_layernorm.weight
-                gate_up = gate_up * layer.post_attention_layernorm.weight
-            if self._complex_rope:
-                nq, nqk = self.num_heads * self.head_dim, self._qk_perm.numel()
-                w = torch.cat([w[:nqk][self._qk_perm], w[nqk:]])
-                w[:nq] *= self.scale
-                if bias is not None:
-                    bias = torch.cat([bias[:nqk][self._qk_perm], bias[nqk:]])
-                    bias[:nq] *= self.scale
-            self._fused.append((w.contiguous(), bias, gate_up.contiguous()))
-        lm = self.lm_head.weight
-        self._lm_weight = (lm * self.norm.weight).contiguous() if fold else lm
-        # Transposed views for addmm/mm, taken once (the o_proj/down views alias the parameters,
-        # so in-place weight updates reach them).
-        self._decode_w = [
-            (w.t(), bias, layer.self_attn.o_proj.weight.t(), layer.self_attn.o_proj.bias, gate_up.t(),
-             layer.mlp.down_proj.weight.t(), layer.mlp.down_proj.bias)
-            for (w, bias, gate_up), layer in zip(self._fused, self.layers)
-        ]
-        self._lm_t = self._lm_weight.t()
+        layers: Iterable[int] = range(len(self.layers))
+        lm = True
+        if names is not None and len(getattr(self, "_fused", ())) == len(self.layers):
+            touched: set[int] = set()
+            lm = False
+            for name in names:
+                match = _LAYER_NAME.search(name)
+                if match is None:
+                    lm = True  # embeddings (maybe tied to lm_head), the final norm, lm_head
+                else:
+                    touched.add(int(match.group(1)))
+            layers = sorted(i for i in touched if i < len(self.layers))
+        else:
+            self._fused: list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = [None] * len(self.layers)  # type: ignore[list-item]
+            self._decode_w: list[tuple] = [None] * len(self.layers)  # type: ignore[list-item]
+        for i in layers:
+            self._fused[i] = self._fuse_layer(self.layers[i])
+            w, bias, gate_up = self._fused[i]
+            attn, mlp = self.layers[i].self_attn, self.layers[i].mlp
+            # Transposed views for addmm/mm, taken once (the o_proj/down views alias the parameters,
+            # so in-place weight updates reach them).
+            self._decode_w[i] = (w.t(), bias, attn.o_proj.weight.t(), attn.o_proj.bias, gate_up.t(),
+                                 mlp.down_proj.weight.t(), mlp.down_proj.bias)
+        if lm:
+            head = self.lm_head.weight
+            self._lm_weight = (head * self.norm.weight).contiguous() if self._fold else head
+            self._lm_t = self._lm_weight.t()
+
+    def _fuse_layer(self, layer: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        attn, mlp = layer.self_attn, layer.mlp
+        w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        if self._fold:
+            w = w * layer.input_layernorm.weight
+            gate_up = gate_up * layer.post_attention_layernorm.weight
+        if self._complex_rope:
+            nq, nqk = self.num_heads * self.head_dim, self._qk_perm.numel()
+            w = torch.cat([w[:nqk][self._qk_perm], w[nqk:]])
+            w[:nq] *= self.scale
+            if bias is not None:
+                bias = torch.cat([bias[:nqk][self._qk_perm], bias[nqk:]])
+                bias[:nq] *= self.scale
+        return w.contiguous(), bias, gate_up.contiguous()
 
     def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x``; in float32 without the weight, which is folded into the next matrix.
@@ -389,3 +413,83 @@ class ModelRunner:
         if self.lm_head.bias is not None:
             logits = logits + self.lm_head.bias
         return logits.float()
+
+    # ---------------------------------------------------------------- memory release (colocate)
+    # SGLang's /release_memory_occupation keeps every tensor's address and shape and hands its
+    # physical memory back (torch_memory_saver); resizing a tensor's storage to 0 bytes and back is
+    # the same on CPU and CUDA: shapes, strides and views (the cache views below) stay valid.
+
+    def release_kv_cache(self) -> int:
+        """Free the KV cache's memory (its tensors keep their shapes); returns the bytes freed."""
+        return _free_storages(self.k_cache + self.v_cache, self.device)
+
+    def resume_kv_cache(self) -> None:
+        """Reallocate the KV cache released by :meth:`release_kv_cache`, zeroed (it holds no request)."""
+        for t in self.k_cache + self.v_cache:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.zero_()
+
+    def release_weights(self) -> int:
+        """Free the parameters' memory and the fused copies built from them; the parameters keep
+        their shapes, dtypes and names, so a weight update can load into them after
+        :meth:`resume_weights`. Returns the bytes freed."""
+        before = self.memory_bytes()["weights"]
+        # The fused copies are rebuilt from the parameters on resume; drop them now.
+        self._fused, self._decode_w, self._lm_weight, self._lm_t = [], [], None, None
+        storages: dict[int, tuple[Any, int]] = {}
+        with torch.no_grad():
+            for p in self.model.parameters():
+                s = p.untyped_storage()
+                if not s.resizable():
+                    # A storage once shared with numpy (a weight checksum) or a file mapping (weights
+                    # loaded from safetensors) cannot be resized: give the parameter one of its own
+                    # (allocated, not written), and the old one goes with its last reference.
+                    p.data = torch.empty_like(p)
+                    s = p.untyped_storage()
+                if s.nbytes():
+                    storages.setdefault(s.data_ptr(), (s, s.nbytes()))
+            for s, _ in storages.values():
+                s.resize_(0)
+        self._weight_bytes = storages
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return before - self.memory_bytes()["weights"]
+
+    def resume_weights(self) -> None:
+        """Reallocate the parameters released by :meth:`release_weights`, zeroed, as SGLang's resume
+        gives memory back without its old contents: they serve garbage until a weight update."""
+        with torch.no_grad():
+            for storage, nbytes in self._weight_bytes.values():
+                storage.resize_(nbytes)
+            for p in self.model.parameters():
+                p.zero_()
+        self._weight_bytes = {}
+        self.refresh_weights()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held now by the weights (parameters and their fused copies) and by the KV cache."""
+        return {"weights": _distinct_bytes([*self.model.parameters(), *self._derived_weights()]),
+                "kv_cache": _distinct_bytes(self.k_cache + self.v_cache)}
+
+    def _derived_weights(self) -> list[torch.Tensor]:
+        out = [t for fused in self._fused if fused is not None for t in fused if t is not None]
+        if self._lm_weight is not None:
+            out.append(self._lm_weight)
+        return out
+
+
+def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views and tied weights counted once)."""
+    sizes = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors) if s.nbytes()}
+    return sum(sizes.values())
+
+
+def _free_storages(tensors: list[torch.Tensor], device: torch.device) -> int:
+    """Resize each distinct storage behind ``tensors`` to 0 bytes; return the bytes freed. On CUDA
+    the caching allocator then returns the blocks to the device, where other processes get them."""
+    freed = _distinct_bytes(tensors)
+    for t in tensors:
+        t.untyped_storage().resize_(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return freed

@@ -2,16 +2,14 @@
 
 The pool also keeps what a replica needs to come back after a fault (see
 :mod:`~lightning_fasync.rollout.supervisor`): the set of serving URLs its clients share, the last
-weights the trainer pushed (one file or directory, replaced at each sync), and the checksums the
-replicas had at the start.
+weights the trainer pushed (:class:`~lightning_fasync.rollout.weight_sync.KeptWeights`: shared-memory
+buckets or a directory, replaced at each sync), and the checksums the replicas had at the start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 import threading
 import time
 import urllib.error
@@ -23,6 +21,7 @@ from lightning_fasync.pipeline.engine_client import EngineError
 from lightning_fasync.rollout.client import SGLangClient
 from lightning_fasync.rollout.launch import STARTUP_TIMEOUT_S, ServerHandle, launch_router, launch_server
 from lightning_fasync.rollout.supervisor import EngineSupervisor, WorkerSet
+from lightning_fasync.rollout.weight_sync import KeptWeights, push_kept
 
 JOIN_TIMEOUT_S = 120.0
 """Longest a restarted replica may take to load the kept weights and report its checksums."""
@@ -41,6 +40,7 @@ class RolloutPool:
         context_length: Tokens per request.
         router_policy: sglang-router policy.
         startup_timeout: Seconds each replica has to become healthy.
+        server_args: More server flags for every replica (e.g. ``--enable-memory-saver``).
     """
 
     def __init__(
@@ -54,6 +54,7 @@ class RolloutPool:
         context_length: Optional[int] = None,
         router_policy: str = "round_robin",
         startup_timeout: float = STARTUP_TIMEOUT_S,
+        server_args: Sequence[str] = (),
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
@@ -68,12 +69,15 @@ class RolloutPool:
         self.context_length = context_length
         self.router_policy = router_policy
         self.startup_timeout = startup_timeout
+        self.server_args = list(server_args)
+        # Memory tags the replicas hold released now (colocate offload); a restarted replica joins so.
+        self.released_tags: set[str] = set()
         self.servers: list[ServerHandle] = []
         self.router: Optional[ServerHandle] = None
         self.workers = WorkerSet([])
         # Held by a weight sync and by a replica joining, so a joiner never misses a version.
         self.sync_lock = threading.RLock()
-        self.weights: Optional[tuple[str, str, int]] = None  # (kind, path, version) of the last sync
+        self.weights: Optional[KeptWeights] = None  # the last sync's weights
         self.initial_checksums: Optional[dict[str, str]] = None
         self.supervisor: Optional[EngineSupervisor] = None
 
@@ -85,7 +89,7 @@ class RolloutPool:
                     launch_server(
                         self.model, threads=self.threads_per_replica, max_running_requests=self.max_running_requests,
                         api_key=self.api_key, cpu_cores=self.cpu_cores[i] if self.cpu_cores else None,
-                        context_length=self.context_length, wait=False,
+                        context_length=self.context_length, extra_args=self.server_args, wait=False,
                     )
                 )
             for server in self.servers:
@@ -136,30 +140,22 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ weights kept for restarts
 
-    def keep_weights(self, kind: str, path: str, version: int) -> None:
-        """Remember the weights just pushed (``tensor``: a safetensors file; ``disk``: a directory)
-        and remove the previous ones. A restarted replica loads these before it serves."""
+    def keep_weights(self, kept: KeptWeights) -> None:
+        """Remember the weights just pushed and release the previous ones. A restarted replica
+        loads these before it serves."""
         with self.sync_lock:
-            previous, self.weights = self.weights, (kind, path, version)
-        if previous is not None and previous[1] != path:
-            _remove(previous[1])
+            previous, self.weights = self.weights, kept
+        if previous is not None and previous is not kept:
+            previous.release()
 
     def expected_checksums(self) -> tuple[dict[str, str], int]:
         """The checksums a replica must report now, and their weight version."""
-        from safetensors.torch import load_file
-
         from lightning_fasync.rollout.weight_checksum import checksums
 
         if self.weights is None:
             assert self.initial_checksums is not None
             return self.initial_checksums, 0
-        kind, path, version = self.weights
-        files = [path] if kind == "tensor" else sorted(
-            os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
-        tensors: dict[str, Any] = {}
-        for f in files:
-            tensors.update(load_file(f))
-        return checksums(tensors), version
+        return checksums(self.weights.named_tensors()), self.weights.version
 
     # ------------------------------------------------------------------ faults
 
@@ -178,7 +174,7 @@ class RolloutPool:
         handle = launch_server(
             self.model, port=port, threads=self.threads_per_replica, max_running_requests=self.max_running_requests,
             api_key=self.api_key, cpu_cores=self.cpu_cores[index] if self.cpu_cores else None,
-            context_length=self.context_length, wait=False,
+            context_length=self.context_length, extra_args=self.server_args, wait=False,
         )
         self.servers[index] = handle
         try:
@@ -205,8 +201,7 @@ class RolloutPool:
         try:
             expected, version = self.expected_checksums()
             if self.weights is not None:
-                kind, path, _ = self.weights
-                await client.load_weights_file(kind, path, version)
+                await push_kept(self.weights, client, timeout_s=JOIN_TIMEOUT_S)
             (reported,) = await client.weight_checksums()
             diffs = compare(expected, reported)
             if diffs:
@@ -214,6 +209,8 @@ class RolloutPool:
                     f"The restarted engine {url} does not hold the trainer's weights of version {version}: "
                     + "; ".join(diffs[:5]) + (f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else "")
                 )
+            if self.released_tags:  # the others are offloaded (colocate): so is this one
+                await client.release_memory_occupation(sorted(self.released_tags))
             return version
         finally:
             await client.close()
@@ -295,7 +292,7 @@ class RolloutPool:
             except Exception as exc:  # keep stopping the others, then report
                 errors.append(f"{handle}: {exc!r}")
         if self.weights is not None:
-            _remove(self.weights[1])
+            self.weights.release()
             self.weights = None
         if errors:
             raise RuntimeError("Some rollout processes did not stop: " + "; ".join(errors))
@@ -306,12 +303,3 @@ class RolloutPool:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

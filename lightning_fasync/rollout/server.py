@@ -287,7 +287,12 @@ def _load_safetensors(path: str) -> dict[str, Any]:
     return tensors
 
 
-async def _apply_update(request: web.Request, tensors: dict[str, Any], version: Optional[str], abort: bool) -> web.Response:
+async def _apply_update(request: web.Request, tensors: dict[str, Any], version: Optional[str], abort: bool,
+                        flush: bool = False) -> web.Response:
+    """Load ``tensors`` between two decode steps. With ``flush`` on a paused engine whose requests
+    still hold the cache (an ``in_place`` pause) the update fails after loading, as SGLang 0.5.23's
+    ``flush_cache_after_weight_update`` does (unpaused, SGLang waits for running requests first;
+    this engine loads in place and they go on)."""
     engine = request.app[ENGINE_KEY]
     if abort:
         await _blocking(engine.abort, "", True)
@@ -296,9 +301,15 @@ async def _apply_update(request: web.Request, tensors: dict[str, Any], version: 
             n = await _blocking(engine.update_weights, tensors, version)
     except ValueError as exc:
         return web.json_response({"success": False, "message": str(exc)}, status=400)
+    finally:
+        tensors.clear()  # drop shared-memory and IPC mappings now, not at the next collection
     state = request.app[STATE_KEY]
     if state["weight_update_session"] is not None:
         state["weight_update_session"]["loaded"] = True
+    if flush and engine.paused and not (await _blocking(engine.flush_cache))[0]:
+        return web.json_response({"success": False, "message": (
+            "Weights were updated, but the cache was not flushed because requests are still running or queued. "
+            "Retract or finish them, then call /flush_cache.")}, status=400)
     return web.json_response(
         {"success": True, "message": f"Updated {n} tensors; weight_version={engine.weight_version}.", "num_paused_requests": 0}
     )
@@ -347,40 +358,28 @@ async def end_weight_update(request: web.Request) -> web.Response:
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     body = await _body(request)
+    # SGLang 0.5.23's UpdateWeightFromDiskReqInput; the CUDA-graph, pause and step fields change
+    # nothing here (no CUDA graphs; an update never ends a pause), a tensor manifest is refused.
     protocol.check_fields(
-        body, {"model_path", "load_format", "weight_version", "flush_cache", "abort_all_requests", "is_async"}, "update_weights_from_disk"
+        body, {"model_path", "load_format", "weight_version", "flush_cache", "abort_all_requests", "is_async",
+               "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "manifest", "rid",
+               "http_worker_ipc"}, "update_weights_from_disk"
     )
+    for name in ("torch_empty_cache", "keep_pause", "recapture_cuda_graph", "is_async"):
+        protocol.opt(body, name, bool, False)
+    protocol.opt(body, "token_step", int, 0)
+    if body.get("manifest") is not None:
+        raise BadRequest("`manifest` is not supported by the embedded engine (only null is accepted).")
     path = protocol.req(body, "model_path", str)
     if not os.path.exists(path):
         raise BadRequest(f"model_path {path!r} does not exist.")
     tensors = await _blocking(_load_safetensors, path)
     version = protocol.opt(body, "weight_version", str, None)
-    response = await _apply_update(request, tensors, version, protocol.opt(body, "abort_all_requests", bool, False))
+    response = await _apply_update(request, tensors, version, protocol.opt(body, "abort_all_requests", bool, False),
+                                   flush=protocol.opt(body, "flush_cache", bool, True))
     if response.status == 200:
         request.app[STATE_KEY]["model_path"] = path
     return response
-
-
-async def update_weights_from_tensor(request: web.Request) -> web.Response:
-    """Same-host update: the trainer writes a safetensors file to /dev/shm and posts its path."""
-    body = await _body(request)
-    if "serialized_named_tensors" in body:
-        raise BadRequest(
-            "serialized_named_tensors (pickled tensors) is not accepted by the embedded engine; "
-            "write a safetensors file (e.g. under /dev/shm) and send its path as safetensors_path."
-        )
-    protocol.check_fields(
-        body, {"safetensors_path", "load_format", "weight_version", "flush_cache", "abort_all_requests"}, "update_weights_from_tensor"
-    )
-    refused = _outside_session(request, "update_weights_from_tensor")
-    if refused is not None:
-        return refused
-    path = protocol.req(body, "safetensors_path", str)
-    if not os.path.isfile(path):
-        raise BadRequest(f"safetensors_path {path!r} is not a file.")
-    tensors = await _blocking(_load_safetensors, path)
-    version = protocol.opt(body, "weight_version", str, None)
-    return await _apply_update(request, tensors, version, protocol.opt(body, "abort_all_requests", bool, False))
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
@@ -428,7 +427,11 @@ async def weights_checker(request: web.Request) -> web.Response:
         return web.json_response({"success": False, "message": message + "."}, status=400)
     if selector == "draft":
         return web.json_response({"success": True, "message": "Success."})
-    model = request.app[ENGINE_KEY].model
+    engine = request.app[ENGINE_KEY]
+    if engine.enable_memory_saver and "weights" in engine.released_tags:
+        return web.json_response({"success": False, "message": "The weights are released (/release_memory_occupation); "
+                                  "there is nothing to check until they are resumed and loaded."}, status=400)
+    model = engine.model
     async with request.app[STATE_KEY]["weights_lock"]:
         return web.json_response(await _blocking(engine_checksum_body, model, skip))
 
@@ -450,6 +453,41 @@ async def flush_cache(request: web.Request) -> web.Response:
         message = ("Cache flushed.\nPlease check backend logs for more details. "
                    "(When there are running or waiting requests, the operation will not be performed.)\n")
     return web.Response(text=message, status=200 if ok else 400)
+
+
+# ------------------------------------------------------------------------------ memory (colocate)
+
+
+def _memory_tags(body: dict[str, Any], endpoint: str) -> Optional[list[str]]:
+    """``tags`` of SGLang's ``Release``/``ResumeMemoryOccupationReqInput`` (plus ``BaseReq``'s fields)."""
+    protocol.check_fields(body, {"tags", "rid", "http_worker_ipc"}, endpoint)
+    tags = body.get("tags")
+    if tags is not None and not (isinstance(tags, list) and all(isinstance(t, str) for t in tags)):
+        raise BadRequest(f"`tags` must be a list of strings or null, got {tags!r:.80}.")
+    return tags
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    """SGLang's ``/release_memory_occupation {tags}``: free weights and/or KV cache until resumed
+    (see ``Engine.release_memory_occupation``). Answers 200 with a null body, as SGLang does."""
+    tags = _memory_tags(await _body(request), "release_memory_occupation")
+    try:
+        async with request.app[STATE_KEY]["weights_lock"]:  # never while /weights_checker reads them
+            await _blocking(request.app[ENGINE_KEY].release_memory_occupation, tags)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    return web.json_response(None)
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    """SGLang's ``/resume_memory_occupation {tags}``: reallocate what was released; weights come back
+    zeroed until a weight update loads them."""
+    tags = _memory_tags(await _body(request), "resume_memory_occupation")
+    try:
+        await _blocking(request.app[ENGINE_KEY].resume_memory_occupation, tags)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    return web.json_response(None)
 
 
 # ------------------------------------------------------------------------------ info and health
@@ -505,7 +543,7 @@ async def server_info(request: web.Request) -> web.Response:
             "skip_tokenizer_init": state["tokenizer"] is None,
             "device": str(engine.runner.device),
             "dtype": str(engine.runner.dtype).replace("torch.", ""),
-            "internal_states": [engine.loads()],
+            "internal_states": [{**engine.loads(), "memory_usage": engine.memory_usage()}],
             "version": SGLANG_API_VERSION,
             "frontend": "python",
             "engine": "lightning-fasync-embedded",
@@ -528,7 +566,7 @@ async def health_generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if not engine.alive:
         return _error(503, "The engine is not running.")
-    if engine.paused:  # generation is paused on purpose; the process is healthy
+    if engine.paused or engine.memory_released:  # generation is off on purpose; the process is healthy
         return web.Response(text="")
     try:
         await asyncio.wait_for(
@@ -594,11 +632,11 @@ def build_app(
     """The aiohttp application serving ``engine`` with SGLang's native and OpenAI-compatible routes.
 
     Args:
-        require_weight_update_session: Refuse tensor weight updates outside
+        require_weight_update_session: Refuse tensor and distributed weight updates outside
             ``/begin_weight_update`` ... ``/end_weight_update``, as SGLang 0.5.23 does; False
-            accepts them as SGLang 0.5.15 does.
+            accepts them as SGLang 0.5.15 does (``rollout/weight_endpoints.py``).
     """
-    from lightning_fasync.rollout import openai_api
+    from lightning_fasync.rollout import openai_api, weight_endpoints
 
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=64 * 1024**2)
     app[ENGINE_KEY] = engine
@@ -616,8 +654,11 @@ def build_app(
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
-    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_post("/update_weight_version", update_weight_version)
+    for path, handler in (("/release_memory_occupation", release_memory_occupation),
+                          ("/resume_memory_occupation", resume_memory_occupation)):
+        r.add_get(path, handler, allow_head=False)  # SGLang routes both methods
+        r.add_post(path, handler)
     for path, handler in (("/flush_cache", flush_cache), ("/weights_checker", weights_checker)):
         r.add_get(path, handler, allow_head=False)
         r.add_post(path, handler)
@@ -630,6 +671,7 @@ def build_app(
     r.add_get("/health_generate", health_generate)
     r.add_get("/v1/loads", loads)
     r.add_get("/get_load", get_load)
+    weight_endpoints.add_routes(app)
     openai_api.add_routes(app)
     return app
 
@@ -655,8 +697,11 @@ def parse_args(argv: Optional[list[str]] = None) -> Namespace:
                    help="Log-probs of the raw logits at temperature 1 instead of the sampled (temperature-scaled) "
                         "distribution; default from SGLang's SGLANG_RETURN_ORIGINAL_LOGPROB.")
     p.add_argument("--require-weight-update-session", type=bool, default=True,
-                   help="Refuse tensor weight updates outside /begin_weight_update ... /end_weight_update "
+                   help="Refuse tensor and distributed weight updates outside /begin_weight_update ... /end_weight_update "
                         "(SGLang 0.5.23); false accepts them as SGLang 0.5.15 does.")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="Free the memory /release_memory_occupation releases (SGLang's flag); without it the call "
+                        "frees nothing, as in SGLang.")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda).")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="Parameter and KV-cache dtype.")
     p.add_argument("--cpu-cores", default=None, help="Comma-separated CPU cores to pin this process to.")
@@ -713,7 +758,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         engine = Engine(model, max_running_requests=args.max_running_requests, context_length=args.context_length,
                         weight_version=args.weight_version, allow_auto_truncate=args.allow_auto_truncate,
-                        return_original_logprob=args.return_original_logprob)
+                        return_original_logprob=args.return_original_logprob,
+                        enable_memory_saver=args.enable_memory_saver)
     except (KVCacheTooLargeError, UnsupportedModelError) as exc:  # a configuration to fix, not a crash
         print(f"lightning-fasync serve: {exc}", file=sys.stderr)
         return 2
@@ -733,6 +779,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     logger.info("Serving %s on http://%s:%d (threads=%d, max_running_requests=%d)", args.model, args.host, args.port,
                 args.threads, engine.max_running_requests)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=5.0)
+    if app[STATE_KEY].get("weight_groups") or app[STATE_KEY].get("weight_groups_abandoned"):
+        # A weight-update group whose sender went away mid-broadcast cannot be destroyed, and its
+        # threads would hold the interpreter's exit until the group times out: exit now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -1,0 +1,465 @@
+"""Trainer → engine weight sync: one interface, three paths (docs/weight_sync.md).
+
+- ``distributed`` (:mod:`~lightning_fasync.rollout.weight_group`): trainer global rank 0 forms a
+  weight-update group with every engine TP rank (SGLang's ``/init_weights_update_group``; rank
+  offsets ``1 + Σ tp``; gloo on CPU, NCCL on CUDA), then per bucket fires
+  ``/update_weights_from_distributed`` to every engine and broadcasts one flattened bucket. Engines
+  on other devices or hosts.
+- ``tensor``: ``/update_weights_from_tensor`` with SGLang's serialised buckets (shared memory on
+  CPU, CUDA IPC on GPU). Engines on this host.
+- ``disk``: ``/update_weights_from_disk`` with a Hugging Face directory of safetensors shards.
+
+Every push: pause generation (``/pause_generation``; the controller has already stopped dispatch
+and settled its in-flight requests) → flush → begin the weight-update bracket where the servers
+have it → the buckets, each carrying the weight version label → end the bracket → flush → continue.
+A failed or partial update raises :class:`WeightSyncError` naming the engine and the step, and the
+engines stay paused (no mix of versions is served). With a supervised pool, a replica that leaves
+the serving set mid-push is skipped (the ``distributed`` path re-forms its group without it and
+pushes again); it gets the pushed weights when it restarts: :class:`KeptWeights` holds them
+(shared-memory buckets, or the directory) and :func:`push_kept` delivers them to that replica.
+Weights leave in Hugging Face naming, bucket by bucket, in the order given.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, ClassVar, Mapping, Optional, Sequence
+
+import torch
+
+from lightning_fasync.config import WEIGHT_SYNC_CHOICES, ConfigError
+from lightning_fasync.pipeline.engine_client import EngineError
+from lightning_fasync.rollout import weight_wire
+from lightning_fasync.rollout.client import _SKIPPED, SGLangClient
+from lightning_fasync.rollout.weight_wire import FlattenedTensorMetadata
+
+WEIGHT_SYNC_KINDS = WEIGHT_SYNC_CHOICES[1:]  # without "auto"
+PAUSE_MODES = ("abort", "retract", "in_place")
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+
+
+class WeightSyncError(EngineError):
+    """A weight update failed, or reached only some engines; the message names the engine and step."""
+
+
+def resolve_weight_sync(cfg: Any, choice: Optional[str] = None) -> str:
+    """The weight-sync path of a run: ``choice`` (an override such as
+    ``FullyAsyncStrategy(weight_sync=...)``), else ``rollout.weight_sync``; ``auto`` is ``tensor`` for
+    engines on this host (the embedded backend) and ``distributed`` otherwise (``rollout.backend``
+    sglang or external)."""
+    kind = choice if choice is not None else getattr(cfg.rollout, "weight_sync", "auto")
+    if kind == "auto":
+        return "tensor" if getattr(cfg.rollout, "backend", "embedded") == "embedded" else "distributed"
+    if kind not in WEIGHT_SYNC_KINDS:
+        raise ConfigError(f"`rollout.weight_sync` is {kind!r}; it must be one of {', '.join(WEIGHT_SYNC_CHOICES)}.")
+    return kind
+
+
+@dataclass
+class Bucket:
+    """One flattened bucket: ``flat`` (``uint8``) laid out by ``metadata`` (SGLang's layout)."""
+
+    flat: torch.Tensor
+    metadata: list[FlattenedTensorMetadata]
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return weight_wire.unflatten(self.flat, self.metadata)
+
+
+@dataclass
+class KeptWeights:
+    """The weights of the last push, kept for a replica that restarts: shared-memory buckets
+    (``tensor`` and ``distributed``) or the pushed directory (``disk``). :meth:`release` frees them."""
+
+    kind: str  # "tensor" (buckets) or "disk" (path)
+    version: int
+    buckets: Optional[list[Bucket]] = None
+    path: Optional[str] = None
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every kept tensor by name (what a replica must hold; see ``weight_checksum``)."""
+        if self.kind == "disk":
+            from safetensors.torch import load_file
+
+            out: dict[str, torch.Tensor] = {}
+            for name in sorted(os.listdir(self.path or "")):
+                if name.endswith(".safetensors"):
+                    out.update(load_file(os.path.join(self.path or "", name)))
+            return out
+        return {n: t for b in self.buckets or [] for n, t in b.named_tensors()}
+
+    def release(self) -> None:
+        """Free the shared memory, or remove the directory. Idempotent."""
+        self.buckets = None
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+
+class WeightSync(abc.ABC):
+    """Push the trainer's weights to every engine of ``client`` (module docstring).
+
+    Arguments:
+        client: the engines (admin calls go to every serving worker).
+        bucket_bytes: the most bytes per bucket (``rollout.weight_sync_bucket_mb``); a larger
+            tensor goes alone.
+        timeout_s: the longest one push may take; every wait inside it ends by then.
+        timeout_key: what a timeout error names as the setting to raise.
+        pause_mode: ``/pause_generation`` mode around the push: ``abort`` (SGLang's default),
+            ``retract`` (running requests re-prefill under the new weights; SGLang >= 0.5.23) or
+            ``in_place`` (no flush: the old KV cache stays); None: no pause (the caller holds the
+            engines idle).
+        keep: return the pushed weights as :class:`KeptWeights` (a pool that restarts replicas).
+        work_dir: where ``disk`` writes its directories (default: the system's temp dir).
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, client: SGLangClient, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0,
+                 timeout_key: str = "admin_timeout", pause_mode: Optional[str] = "abort", keep: bool = False,
+                 work_dir: Optional[str] = None) -> None:
+        if pause_mode is not None and pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode is {pause_mode!r}; it must be one of {', '.join(PAUSE_MODES)} or None.")
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes is {bucket_bytes}; it must be positive.")
+        self.client = client
+        # Update calls are not repeated after a failure (a replayed bucket would be out of order).
+        self.rpc = client.clone()
+        self.rpc.retries = 0
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.timeout_key = timeout_key
+        self.pause_mode = pause_mode
+        self.keep = keep
+        self.work_dir = work_dir
+        self.closed = False
+        self._tp: dict[str, int] = {}  # engine URL -> its TP size (from /get_server_info)
+
+    async def connect(self) -> None:
+        """Prepare the path (``distributed``: form the group). Idempotent; :meth:`push` calls it."""
+
+    async def close(self) -> None:
+        """Release what the path holds (``distributed``: the group). Idempotent."""
+        self.closed = True
+        await self.client.close()
+        await self.rpc.close()
+
+    async def push(self, named_tensors: Mapping[str, torch.Tensor], version: Optional[int],
+                   step: Optional[int] = None) -> Optional[KeptWeights]:
+        """Every engine loads ``named_tensors`` (Hugging Face names) and labels them ``version``.
+
+        Args:
+            version: the weight version label (None: the engines keep theirs).
+            step: the rollout step that ended (named in errors).
+
+        Returns:
+            The pushed weights with ``keep``, else None.
+
+        Raises:
+            WeightSyncError: an engine failed, did not answer in time, or the update reached only
+                some engines; the message names the engine URL and the step.
+        """
+        if self.closed:
+            raise RuntimeError("This WeightSync is closed.")
+        where = f"step {step}" if step is not None else (f"weight version {version}" if version is not None
+                                                          else "a weight update")
+        self._discard(None)
+        staged = await self._stage(named_tensors, version)
+        try:
+            await self._deliver(staged, version, where)
+        except BaseException:
+            self._discard(staged)
+            raise
+        finally:
+            await self.rpc.close()  # its connections belong to this event loop
+        return self._keep(staged, version)
+
+    # ------------------------------------------------------------------ the sequence, per path
+
+    @abc.abstractmethod
+    async def _stage(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> Any:
+        """Lay the tensors out for sending (buckets, a directory)."""
+
+    @abc.abstractmethod
+    async def _send(self, staged: Any, version: int, where: str) -> None:
+        """Send what ``_stage`` made to every serving engine and check every answer."""
+
+    def _keep(self, staged: Any, version: int) -> Optional[KeptWeights]:
+        self._discard(staged)
+        return None
+
+    def _discard(self, staged: Any) -> None:
+        """Release a staged push that is not kept."""
+
+    bracketed = True  # tensor and distributed updates run inside SGLang 0.5.23's bracket
+
+    @property
+    def flush_in_update(self) -> bool:
+        """The updates' ``flush_cache``: not after an ``in_place`` pause (its requests keep the old KV)."""
+        return self.pause_mode != "in_place"
+
+    async def _deliver(self, staged: Any, version: Optional[int], where: str) -> None:
+        await self.connect()
+        # /flush_cache around the update only when this push paused generation (it then succeeds
+        # once the aborted or retracted requests are gone); the updates flush too.
+        flush = self.pause_mode not in (None, "in_place")
+        if self.pause_mode is not None:
+            await self._admin(self.client.pause(self.pause_mode), "pause_generation", where)
+            if flush:
+                await self._flush(where)
+        bracket = False
+        try:
+            if self.bracketed:
+                bracket = await self._admin(self.client.begin_weight_update(), "begin_weight_update", where)
+            await self._send(staged, version, where)
+            if bracket:
+                bracket = False
+                await self._admin(self.client.end_weight_update(), "end_weight_update", where)
+        finally:
+            if bracket:  # a failed push: close the bracket so the next one can open it; stay paused
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.client.end_weight_update(), 10)
+        if flush:
+            await self._flush(where)
+        if self.pause_mode is not None:
+            await self._admin(self.client.resume(), "continue_generation", where)
+
+    async def _admin(self, call: Awaitable[Any], what: str, where: str) -> Any:
+        try:
+            return await call
+        except EngineError as exc:
+            raise WeightSyncError(f"The weight sync of {where} failed at {what}: {exc}") from exc
+
+    async def _flush(self, where: str) -> None:
+        """``/flush_cache`` until every engine accepts it (SGLang refuses while requests hold cache)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                await self.client.flush_cache()
+                return
+            except EngineError as exc:
+                if exc.status != 400 or time.monotonic() > deadline:
+                    raise WeightSyncError(
+                        f"The weight sync of {where} could not flush the engines' cache within {self.timeout_s:g} s "
+                        f"(`{self.timeout_key}`): {exc}") from exc
+            await asyncio.sleep(0.1)
+
+    async def _update(self, url: str, path: str, body: dict[str, Any], where: str) -> Any:
+        """One update call to ``url``; ``_SKIPPED`` when it leaves the serving set meanwhile."""
+
+        async def call() -> Any:
+            return await self.rpc._request("POST", url + path, body, timeout=self.timeout_s, timeout_key=self.timeout_key)
+
+        try:
+            result = await self.client._on_worker(url, call())
+        except EngineError as exc:
+            raise WeightSyncError(f"The weight sync of {where} failed on {url} ({path}): {exc}") from exc
+        if result is not _SKIPPED and not (isinstance(result, dict) and result.get("success") is True):
+            raise WeightSyncError(f"The weight sync of {where} failed on {url} ({path}): {str(result)[:500]}")
+        return result
+
+    async def _update_all(self, path: str, body_for: Any, where: str) -> None:
+        # With a supervisor, no serving engine is not an error here: the weights are kept, and a
+        # replica that comes back gets them before it serves (the supervisor reports a lasting loss).
+        await asyncio.gather(*(self._update(u, path, body_for(u), where) for u in self.client.worker_urls))
+
+    async def tp_sizes(self, urls: Sequence[str]) -> list[int]:
+        """Each engine's TP size, from ``/get_server_info`` (1 where it does not say); asked once."""
+
+        async def one(url: str) -> None:
+            try:
+                info = await self.client._request("GET", url + "/get_server_info", missing_ok=True)
+            except EngineError:
+                info = None
+            size = info.get("tp_size") if isinstance(info, dict) else None
+            self._tp[url] = int(size) if isinstance(size, int) and size > 0 else 1
+
+        await asyncio.gather(*(one(u) for u in urls if u not in self._tp))
+        return [self._tp[u] for u in urls]
+
+
+# ---------------------------------------------------------------------------------- buckets
+
+
+def unique_tensors(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``named_tensors`` without the second name of a tied tensor (``lm_head.weight`` when it is
+    ``embed_tokens.weight``, as a state dict lists it): it is sent once, under its first name,
+    which is how the engines' parameters name it (SGLang skips the tied name when it loads)."""
+    if not named_tensors:
+        raise ValueError("Nothing to push: no tensors.")
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name, tensor in named_tensors.items():
+        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+               tensor.stride(), tensor.dtype)
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor
+    return out
+
+
+
+class _BucketedSync(WeightSync):
+    """What ``tensor`` and ``distributed`` share: flattened buckets, kept in shared memory."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._staging: Optional[torch.Tensor] = None  # reused shared memory when nothing is kept
+        self._kept: list[Bucket] = []  # this push's buckets, in shared memory, when kept
+
+    def _keep(self, staged: Any, version: int) -> Optional[KeptWeights]:
+        kept, self._kept = self._kept, []
+        return KeptWeights("tensor", version, buckets=kept) if self.keep else None
+
+    def _discard(self, staged: Any) -> None:
+        self._kept = []
+
+    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.keep:  # each bucket is kept: memory of its own
+            return weight_wire.new_shared_bytes(nbytes)
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = weight_wire.new_shared_bytes(nbytes)
+        return self._staging[:nbytes]
+
+    def _plan(self, named_tensors: Mapping[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+        return weight_wire.plan_buckets(unique_tensors(named_tensors), self.bucket_bytes)
+
+    def _fill(self, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> Bucket:
+        metadata = weight_wire.layout([n for n, _ in bucket], [t.dtype for _, t in bucket], [t.shape for _, t in bucket])
+        flat = self._buffer(weight_wire.bucket_bytes(metadata), device)
+        return Bucket(flat, weight_wire.flatten_into(bucket, flat))
+
+    def _kept_copy(self, bucket: Bucket) -> Bucket:
+        if bucket.flat.device.type == "cpu" and self.keep:
+            return bucket
+        cpu = weight_wire.new_shared_bytes(bucket.flat.numel())
+        cpu.copy_(bucket.flat)
+        return Bucket(cpu, bucket.metadata)
+
+
+class TensorWeightSync(_BucketedSync):
+    """``tensor``: ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``, one
+    bucket at a time to every engine at once; each bucket's memory is kept until every engine has
+    answered, then released (``torch.cuda.ipc_collect()`` on CUDA) unless kept for restarts."""
+
+    kind = "tensor"
+
+    async def _stage(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> Any:
+        return self._plan(named_tensors)  # filled one bucket at a time in _send
+
+    async def _send(self, staged: Any, version: int, where: str) -> None:
+        kept: list[Bucket] = []
+        for bucket in staged:
+            filled = bucket if isinstance(bucket, Bucket) else self._fill(bucket, bucket[0][1].device)
+            await self.send_bucket(filled, version, where)
+            if self.keep:
+                kept.append(self._kept_copy(filled))
+            if filled.flat.is_cuda:
+                del filled
+                torch.cuda.ipc_collect()  # the engines have dropped their handles: free the memory
+        self._kept = kept
+
+    async def send_bucket(self, bucket: Bucket, version: int, where: str) -> None:
+        """One bucket to every serving engine at once; returns when each has answered."""
+        tp = dict(zip(self.client.worker_urls, await self.tp_sizes(self.client.worker_urls)))
+
+        def body(url: str) -> dict[str, Any]:
+            # One payload per TP rank of this engine: each rank maps (and releases) its own.
+            payloads = [weight_wire.serialize_bucket(bucket.flat, bucket.metadata) for _ in range(tp.get(url, 1))]
+            return {"serialized_named_tensors": payloads, "load_format": "flattened_bucket",
+                    "flush_cache": self.flush_in_update, "abort_all_requests": False, "weight_version": _label(version)}
+
+        await self._update_all("/update_weights_from_tensor", body, where)
+
+
+def _label(version: Optional[int]) -> Optional[str]:
+    """The weight version label SGLang takes (a string); None leaves the engines' label as it is."""
+    return None if version is None else str(version)
+
+
+# ---------------------------------------------------------------------------------- disk
+
+
+class DiskWeightSync(WeightSync):
+    """``disk``: a Hugging Face directory (safetensors shards of at most ``bucket_bytes`` each and
+    ``model.safetensors.index.json``) that every engine loads with ``/update_weights_from_disk``.
+    The directory is removed after the push unless it is kept for restarts."""
+
+    kind = "disk"
+    bracketed = False  # SGLang's disk update is self-contained (no begin/end bracket)
+
+    async def _stage(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> Any:
+        from safetensors.torch import save_file
+
+        named_tensors = unique_tensors(named_tensors)
+        root = self.work_dir
+        if root:
+            os.makedirs(root, exist_ok=True)
+        directory = tempfile.mkdtemp(prefix=f"v{version}-", dir=root)
+        try:
+            shards = weight_wire.plan_buckets(named_tensors, self.bucket_bytes)
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                tensors = {n: t.detach().contiguous().cpu() for n, t in shard}
+                await asyncio.get_running_loop().run_in_executor(None, save_file, tensors, os.path.join(directory, file),
+                                                                 {"format": "pt"})
+                weight_map.update(dict.fromkeys(tensors, file))
+            total = sum(t.numel() * t.element_size() for t in named_tensors.values())
+            with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        return directory
+
+    async def _send(self, staged: Any, version: int, where: str) -> None:
+        body = {"model_path": staged, "flush_cache": self.flush_in_update, "abort_all_requests": False,
+                "weight_version": _label(version)}
+        await self._update_all("/update_weights_from_disk", lambda url: body, where)
+
+    def _keep(self, staged: Any, version: int) -> Optional[KeptWeights]:
+        if self.keep:
+            return KeptWeights("disk", version, path=staged)
+        self._discard(staged)
+        return None
+
+    def _discard(self, staged: Any) -> None:
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------- building
+
+
+def make_weight_sync(kind: str, client: SGLangClient, **kwargs: Any) -> WeightSync:
+    """The :class:`WeightSync` of path ``kind`` (``distributed``, ``tensor`` or ``disk``)."""
+    if kind == "distributed":
+        from lightning_fasync.rollout.weight_group import DistributedWeightSync
+
+        return DistributedWeightSync(client, **kwargs)
+    if kind not in ("tensor", "disk"):
+        raise ConfigError(f"`rollout.weight_sync` is {kind!r}; it must be one of {', '.join(WEIGHT_SYNC_CHOICES)}.")
+    return (TensorWeightSync if kind == "tensor" else DiskWeightSync)(client, **kwargs)
+
+
+async def push_kept(kept: KeptWeights, client: SGLangClient, timeout_s: float = 120.0) -> None:
+    """Load ``kept`` into the engines of ``client`` (a restarted replica, not serving yet) with the
+    same code as a push: its buckets over the ``tensor`` path (it runs on this host), or its directory."""
+    sync = make_weight_sync("disk" if kept.kind == "disk" else "tensor", client, timeout_s=timeout_s, pause_mode=None)
+    try:
+        staged = kept.buckets if kept.kind != "disk" else kept.path
+        await sync._deliver(staged, kept.version, f"weight version {kept.version}")
+    finally:
+        await sync.rpc.close()  # the caller's client stays the caller's

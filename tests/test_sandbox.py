@@ -1,0 +1,241 @@
+"""The tool sandbox and the calculator: each forbidden or runaway program is stopped and reported
+(and the next run works), the limits hold, runs do not block the event loop and are bounded in
+number; the calculator refuses everything but bounded arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import threading
+
+import pytest
+
+from lightning_fasync.agents.sandbox import Sandbox, SandboxLimits
+from lightning_fasync.agents.tools import (
+    MAX_BITS, CalculatorError, ToolBox, ToolCall, calculate, format_tool_call, has_tool_call, parse_tool_calls,
+)
+
+LIMITS = SandboxLimits(cpu_s=1.0, wall_s=3.0, memory_mb=256, file_mb=1, max_output=200, max_concurrent=2)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    box = Sandbox(LIMITS)
+    yield box
+    box.close()
+    box.close()  # idempotent
+
+
+def assert_next_run_works(box: Sandbox) -> None:
+    result = box.run_sync("print(6 * 7)")
+    assert (result.outcome, result.text) == ("ok", "42")
+
+
+def test_a_normal_run_prints_in_a_fresh_directory_that_is_removed_with_a_minimal_environment(sandbox):
+    result = sandbox.run_sync("import os, json\nprint(os.getcwd())\nprint(json.dumps(sorted(os.environ)))\n"
+                              "open('notes.txt', 'w').write('kept inside')\nprint(open('notes.txt').read())")
+    assert result.outcome == "ok", result
+    workdir, env, notes = result.output.splitlines()
+    assert os.path.basename(workdir).startswith("fasync-sandbox-") and not os.path.exists(workdir)
+    assert env == '["HOME", "LANG", "PATH", "TMPDIR"]'
+    assert notes == "kept inside"
+    assert isinstance(result.network_isolated, bool)
+    second = sandbox.run_sync("import os; print(os.getcwd())")
+    assert second.output.strip() != workdir  # a fresh directory per run
+
+
+def test_the_codes_own_error_is_its_result(sandbox):
+    result = sandbox.run_sync("print('before')\n1 / 0")
+    assert result.outcome == "error"
+    assert result.text == "before\nerror: ZeroDivisionError: division by zero"
+    exited = sandbox.run_sync("import sys; sys.exit(3)")
+    assert (exited.outcome, exited.text) == ("error", "error: exit status 3")
+
+
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        ("while True:\n    pass", "time limit exceeded"),  # CPU: RLIMIT_CPU
+        ("import time\ntime.sleep(60)", "time limit exceeded"),  # no CPU: the wall clock kills the group
+        ("x = bytearray(2 * 1024 ** 3)", "memory limit exceeded"),
+        ("chunks = []\nwhile True:\n    chunks.append(bytearray(10 ** 7))", "memory limit exceeded"),
+        ("open('big.bin', 'wb').write(b'x' * (2 * 1024 ** 2))", "file size limit exceeded"),
+        ("while True:\n    print('spam' * 100)", "output limit exceeded"),
+    ],
+    ids=["cpu-loop", "sleep", "one-big-allocation", "growing-allocation", "big-file", "endless-output"],
+)
+def test_limits_stop_the_run_and_the_next_run_works(sandbox, code, message):
+    result = sandbox.run_sync(code)
+    assert (result.outcome, result.message) == ("limit", message), result
+    assert result.text.endswith(f"error: {message}")
+    assert len(result.output.encode()) <= LIMITS.max_output
+    assert sandbox.running == 0  # the process group is gone
+    assert_next_run_works(sandbox)
+
+
+def test_writing_outside_the_working_directory_is_stopped(sandbox, tmp_path):
+    target = tmp_path / "escaped.txt"
+    link_target = tmp_path / "via_link.txt"
+    for code in (
+        f"open({str(target)!r}, 'w').write('x')",
+        f"import os\nfd = os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
+        f"import os\nos.symlink({str(link_target)!r}, 'link')",
+        "import os\nos.chdir('..')\nopen('escaped.txt', 'w')",
+        f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+    ):
+        result = sandbox.run_sync(code)
+        assert (result.outcome, result.message) == ("violation", "writing outside the working directory is not allowed"), code
+        assert not target.exists() and not link_target.exists() and tmp_path.exists()
+    assert_next_run_works(sandbox)
+
+
+@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces-and-hook", "hook-alone"])
+def test_network_access_is_stopped_and_no_connection_reaches_a_local_listener(namespaces):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    box = Sandbox(LIMITS, namespaces=namespaces)
+    try:
+        for code in (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'leak')",
+            # Catching the error does not help: the run ends at the first socket call.
+            f"import socket\ntry:\n    socket.socket().connect(('127.0.0.1', {port}))\n"
+            "except Exception:\n    pass\nprint('went on')",
+            "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:1/', timeout=2)",
+        ):
+            result = box.run_sync(code)
+            assert (result.outcome, result.text) == ("violation", "error: network access is not allowed"), code
+            if not namespaces:
+                assert result.network_isolated is False
+        with pytest.raises(socket.timeout):
+            listener.accept()  # nothing ever connected
+        assert_next_run_works(box)
+    finally:
+        box.close()
+        listener.close()
+
+
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        ("import subprocess\nsubprocess.run(['true'])", "starting processes is not allowed"),
+        ("import os\nos.system('true')", "starting processes is not allowed"),
+        ("import os\nif os.fork() == 0:\n    os._exit(0)", "starting processes is not allowed"),
+        ("import os\nos.execv('/bin/true', ['true'])", "starting processes is not allowed"),
+        ("import ctypes", "native code (ctypes) is not allowed"),
+        ("import os\nos.kill(os.getppid(), 0)", "sending signals is not allowed"),
+        ("import gc\ngc.get_objects()", "inspecting the interpreter's objects is not allowed"),
+    ],
+    ids=["subprocess", "os.system", "fork", "exec", "ctypes", "kill", "gc"],
+)
+def test_processes_signals_native_code_and_introspection_are_stopped(sandbox, code, message):
+    result = sandbox.run_sync(code)
+    assert (result.outcome, result.message) == ("violation", message), result
+    assert_next_run_works(sandbox)
+
+
+def test_runs_leave_the_event_loop_free_and_at_most_max_concurrent_run_at_once(sandbox):
+    peak = 0
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, sandbox.running)
+            done.wait(0.005)
+
+    async def main():
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            runs = [asyncio.ensure_future(sandbox.run("import time\ntime.sleep(0.6)\nprint('slept')")) for _ in range(5)]
+            await asyncio.sleep(0.05)
+            assert not any(r.done() for r in runs)  # the loop runs while the sandboxes do
+            return await asyncio.gather(*runs)
+        finally:
+            done.set()
+            watcher.join()
+
+    results = asyncio.run(main())
+    assert [r.text for r in results] == ["slept"] * 5
+    assert 1 <= peak <= LIMITS.max_concurrent
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match=r"`agentflow.sandbox.wall_s` is 0; it must be > 0"):
+        Sandbox(SandboxLimits(wall_s=0))
+
+
+# ----------------------------------------------------------------------------- calculator and calls
+
+
+@pytest.mark.parametrize(
+    "expression, answer",
+    [
+        ("37*48", "1776"), ("2+3*4", "14"), ("(2+3)*4", "20"), ("-5--3", "-2"), ("+7", "7"), ("7/2", "3.5"),
+        ("6/3", "2"), ("7//2", "3"), ("-7%3", "2"), ("2**10", "1024"), ("2**-1", "0.5"), ("1.5*4", "6"),
+        ("0.1+0.2", "0.30000000000000004"), (" 12 - 30 ", "-18"), ("2**4095", str(2**4095)),
+    ],
+)
+def test_calculator_evaluates_arithmetic(expression, answer):
+    assert calculate(expression) == answer
+
+
+@pytest.mark.parametrize(
+    "expression, error",
+    [
+        ("1/0", "division by zero"), ("5%0", "division by zero"), ("0**-1", "division by zero"),
+        ("9**9**9", f"more than {MAX_BITS} bits"), ("10**10**10", f"more than {MAX_BITS} bits"),
+        ("2**4096", f"more than {MAX_BITS} bits"), ("2**4000*2**4000", f"more than {MAX_BITS} bits"),
+        ("2.0**5000", "too large"), ("1e308*10", "not finite"), ("(-8)**0.5", "not a real number"),
+        ("2^10", "unsupported operator ^ (use ** for powers)"), ("x+1", "unsupported syntax (Name)"),
+        ("__import__('os').system('true')", "unsupported syntax (Call)"), ("(1).real", "unsupported syntax (Attribute)"),
+        ("'a'*3", "only numbers"), ("True+1", "only numbers"), ("1 if 1 else 2", "unsupported syntax (IfExp)"),
+        ("[1, 2]", "unsupported syntax (List)"), ("1+", "not valid arithmetic"), ("1" * 300, "longer than"),
+        ("((1)", "not valid arithmetic"), ("(" * 130 + "1" + ")" * 130, "longer than"),
+    ],
+)
+def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, error):
+    with pytest.raises(CalculatorError, match=re.escape(error)):
+        calculate(expression)
+
+
+def test_tool_calls_parse_in_qwens_format():
+    text = "thinking " + format_tool_call("calculator", {"expression": "1+2"}) + "\n" + \
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [
+        ("calculator", {"expression": "1+2"}, None), ("python", {"code": "print(1)"}, None)]
+    assert has_tool_call(text) and not has_tool_call("42")
+    bad = parse_tool_calls('<tool_call>{"name": 1}</tool_call><tool_call>not json</tool_call>'
+                           '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call><tool_call>{"name"')
+    assert [c.error for c in bad] == [
+        'the tool call needs a "name" string', "the tool call is not valid JSON (Expecting value)",
+        'the tool call needs an "arguments" object', "the <tool_call> block is not closed with </tool_call>"]
+
+
+def test_the_toolbox_answers_bad_calls_with_errors(sandbox):
+    box = ToolBox(["calculator", "python"], sandbox)
+
+    async def answers():
+        return [await box.call(c) for c in (
+            ToolCall("calculator", {"expression": "6*7"}), ToolCall("calculator", {"expr": "6*7"}),
+            ToolCall("shell", {"cmd": "ls"}), ToolCall("", error="the tool call is not valid JSON (x)"),
+            ToolCall("python", {"code": "print(6*7)"}), ToolCall("python", {"code": "import socket; socket.socket()"}),
+        )]
+
+    results = asyncio.run(answers())
+    assert [(r.outcome, r.content) for r in results] == [
+        ("ok", "42"),
+        ("error", 'error: calculator needs {"expression": "<arithmetic>"}'),
+        ("error", "error: unknown tool 'shell'; the tools are calculator, python"),
+        ("error", "error: malformed tool call: the tool call is not valid JSON (x)"),
+        ("ok", "42"),
+        ("violation", "error: network access is not allowed"),
+    ]
+    with pytest.raises(ValueError, match="`agentflow.tools` lists 'shell'"):
+        ToolBox(["shell"])
