@@ -73,8 +73,14 @@ class DistributedWeightSync(_BucketedSync):
             # Rank 0 serves the rendezvous store on its own 127.0.0.1 (or routable) socket, then
             # joins the group: both wait for every engine, so this runs off the event loop while the
             # init calls go out (a rendezvous, not a collective of any group the trainer uses).
-            store = torch.distributed.TCPStore(host, port, world, True, timeout, multi_tenant=True,
-                                               master_listen_fd=listen.fileno())
+            try:
+                store = torch.distributed.TCPStore(host, port, world, True, timeout, multi_tenant=True,
+                                                   master_listen_fd=listen.fileno())
+            except RuntimeError as exc:  # older torch: the libuv store cannot take a listening socket
+                if "listen fd" not in str(exc):
+                    raise
+                listen.close()  # the store binds the port itself (it was free a moment ago)
+                store = torch.distributed.TCPStore(host, port, world, True, timeout, multi_tenant=True)
             return weight_wire.init_custom_process_group(backend, "", world, 0, name, timeout=timeout, store=store)
 
         creating = asyncio.ensure_future(weight_wire.in_daemon_thread(create))
