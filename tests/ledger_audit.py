@@ -3,7 +3,26 @@ audit of two runs' ledgers (a run stopped early, then its resume)."""
 
 from __future__ import annotations
 
+import glob
 import os
+import subprocess
+from typing import Optional
+
+
+def run_fit(cmd: list[str], root: str, cwd: str, env: Optional[dict] = None, timeout: float = 600) -> tuple[str, str]:
+    """Run a ``fit`` command line to the end (killed past ``timeout``); assert it succeeded and left
+    no engine behind. Returns ``(output, log_dir)``, the run's ``lightning_logs/version_*`` under ``root``."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-3000:]
+    assert children_of(proc.pid) == []
+    (log_dir,) = glob.glob(os.path.join(root, "lightning_logs", "version_*"))
+    return out, log_dir
 
 
 def children_of(pid: int) -> list[int]:

@@ -11,7 +11,6 @@ the python tool in the real sandbox, a real fit through ``lightning-fasync fit``
 from __future__ import annotations
 
 import asyncio
-import glob
 import os
 import socket
 import subprocess
@@ -21,7 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from ledger_audit import children_of
+from ledger_audit import run_fit
 from lightning_fasync.agents.flow import ToolAgentFlow, observation_ids
 from lightning_fasync.agents.sandbox import SandboxLimits
 from lightning_fasync.agents.task import ArithmeticToolPrompts, arithmetic_reward
@@ -586,16 +585,7 @@ def test_a_short_fit_with_the_agent_config(agent_policy, tmp_path):
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", os.path.join(REPO, "configs", "tiny_cpu_agent.yaml"),
            f"--model.model={agent_policy}", f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
            f"--trainer.rollout_steps={steps}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out[-3000:]
-    assert children_of(proc.pid) == []
-    (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
+    out, log_dir = run_fit(cmd, str(tmp_path), REPO)
     tb = read_scalars(log_dir)
     assert [s for s, _ in tb["train/loss"]] == list(range(steps))  # the losses ran, every step
     assert sum(v for _, v in tb["agent/tool_calls"]) > 0  # and the policy called its tools

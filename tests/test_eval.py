@@ -8,16 +8,12 @@ embedded engine and reads TensorBoard, the ledger and the event log back."""
 
 from __future__ import annotations
 
-import asyncio
-import glob
-import math
 import os
-import subprocess
 import sys
 
 import pytest
 
-from ledger_audit import audit_resume, children_of
+from ledger_audit import audit_resume, run_fit
 from lightning_fasync.config import ConfigError, load_config, validate
 from lightning_fasync.pipeline.controller import FullyAsyncController, StepSchedule
 from lightning_fasync.pipeline.datasource import ListDataSource
@@ -409,16 +405,7 @@ def test_fit_logs_val_at_the_configured_steps(tmp_path):
            f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", "--trainer.save_freq=2",
            f"--trainer.rollout_steps={steps}", "--eval.every_n_steps=2", "--eval.at_start=true", "--eval.at_end=true",
            '--eval.data_source=[{"name": "repeat_heldout", "num_prompts": 16, "seed": 4321}]']
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out[-3000:]
-    assert children_of(proc.pid) == []
-    (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
+    out, log_dir = run_fit(cmd, str(tmp_path), REPO)
 
     evaluated = [-1, 1, 2]
     tb = read_scalars(log_dir)

@@ -5,14 +5,12 @@ reference whose time is `timing/teacher` in TensorBoard."""
 
 from __future__ import annotations
 
-import glob
 import os
-import subprocess
 import sys
 
 import pytest
 
-from ledger_audit import children_of
+from ledger_audit import run_fit
 from lightning_fasync.pipeline.events import read_jsonl
 from lightning_fasync.plots import read_scalars
 
@@ -28,16 +26,7 @@ def test_file_prompts_a_hanging_and_a_raising_reward_and_a_reference_model(tmp_p
            "--data_source.reward=flaky_rewards:hang_or_raise", "--data_source.reward_timeout=1",
            "--data_source.reward_processes=0",  # threads here; tests/test_rewards.py kills stuck worker processes
            "--algorithm.kl_coef=0.05", "--algorithm.reference.model=policy"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out[-3000:]
-    assert children_of(proc.pid) == []
-    (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
+    out, log_dir = run_fit(cmd, str(tmp_path), REPO, env=env)
     tb = read_scalars(log_dir)
     # The reference model's time, once per step, summed over the step's training calls.
     assert [s for s, _ in tb["timing/teacher"]] == list(range(STEPS))

@@ -49,7 +49,7 @@ from typing import Any, Optional, Sequence
 from lightning_fasync.agents.sandbox import Sandbox, SandboxLimits
 from lightning_fasync.agents.tools import TOOLS, ToolBox, ToolResult, has_tool_call, parse_tool_calls
 from lightning_fasync.pipeline.engine_client import EngineClient, SamplingParams
-from lightning_fasync.pipeline.flow import AgentFlow, RewardFn, continuation, mark_failed, resume_request
+from lightning_fasync.pipeline.flow import AgentFlow, RewardFn, continuation, mark_failed, resume_request, score
 from lightning_fasync.types import PromptSample, Trajectory, TrajectoryStatus
 
 __all__ = ["ToolAgentFlow", "observation_ids"]
@@ -245,14 +245,7 @@ class ToolAgentFlow(AgentFlow):
         return view
 
     async def _score(self, sample: PromptSample, traj: Trajectory) -> None:
-        try:
-            reward: Any = self.reward_fn(sample, self.answer_view(traj))  # type: ignore[misc]
-            if hasattr(reward, "__await__"):
-                reward = await reward
-            traj.reward = float(reward)
-        except Exception as exc:
-            traj.status = TrajectoryStatus.FAILED
-            traj.error = f"reward function raised {type(exc).__name__}: {exc}"
+        await score(self.reward_fn, sample, traj, self.answer_view(traj))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ metrics, shutdown
 

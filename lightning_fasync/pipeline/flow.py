@@ -162,11 +162,17 @@ class SingleTurnFlow(AgentFlow):
         return trajs
 
     async def _score(self, sample: PromptSample, traj: Trajectory) -> None:
-        try:
-            reward: Any = self.reward_fn(sample, traj)  # type: ignore[misc]
-            if hasattr(reward, "__await__"):
-                reward = await reward
-            traj.reward = float(reward)
-        except Exception as exc:
-            traj.status = TrajectoryStatus.FAILED
-            traj.error = f"reward function raised {type(exc).__name__}: {exc}"
+        await score(self.reward_fn, sample, traj)  # type: ignore[arg-type]
+
+
+async def score(reward_fn: RewardFn, sample: PromptSample, traj: Trajectory, view: Optional[Trajectory] = None) -> None:
+    """Set ``traj.reward`` to ``reward_fn(sample, view or traj)`` (which may be async); a reward
+    function that raises marks ``traj`` failed instead."""
+    try:
+        reward: Any = reward_fn(sample, traj if view is None else view)
+        if hasattr(reward, "__await__"):
+            reward = await reward
+        traj.reward = float(reward)
+    except Exception as exc:
+        traj.status = TrajectoryStatus.FAILED
+        traj.error = f"reward function raised {type(exc).__name__}: {exc}"

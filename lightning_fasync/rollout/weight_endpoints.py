@@ -47,6 +47,16 @@ def _result(success: bool, message: str) -> web.Response:
     return web.json_response({"success": success, "message": message}, status=200 if success else 400)
 
 
+def _update_options(body: dict[str, Any]) -> tuple[str, bool, bool, Optional[str]]:
+    """The fields every tensor and distributed update shares: ``selector``, ``flush_cache``,
+    ``abort_all_requests``, ``weight_version`` (and ``torch_empty_cache``, checked, nothing to empty)."""
+    selector = _selector(body)
+    flush = protocol.opt(body, "flush_cache", bool, True)
+    protocol.opt(body, "torch_empty_cache", bool, False)
+    abort = protocol.opt(body, "abort_all_requests", bool, False)
+    return selector, flush, abort, protocol.opt(body, "weight_version", str, None)
+
+
 def _selector(body: dict[str, Any]) -> str:
     selector = protocol.opt(body, "selector", str, "all")
     if selector not in ("target", "draft", "all"):
@@ -164,11 +174,7 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
         raise BadRequest("`shapes` must be a list of lists of non-negative integers.")
     group_name = protocol.opt(body, "group_name", str, "weight_update_group")
     load_format = _load_format(body)
-    selector = _selector(body)
-    flush = protocol.opt(body, "flush_cache", bool, True)
-    protocol.opt(body, "torch_empty_cache", bool, False)
-    abort = protocol.opt(body, "abort_all_requests", bool, False)
-    version = protocol.opt(body, "weight_version", str, None)
+    selector, flush, abort, version = _update_options(body)
     if load_format == "flattened_bucket":
         try:
             weight_wire.layout(names, dtypes, shapes)
@@ -229,11 +235,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     if not payloads:
         raise BadRequest("`serialized_named_tensors` must hold one payload per TP rank (this engine has one), got none.")
     load_format = _load_format(body)
-    selector = _selector(body)
-    flush = protocol.opt(body, "flush_cache", bool, True)
-    protocol.opt(body, "torch_empty_cache", bool, False)
-    abort = protocol.opt(body, "abort_all_requests", bool, False)
-    version = protocol.opt(body, "weight_version", str, None)
+    selector, flush, abort, version = _update_options(body)
     try:  # decoded first: a malformed field is a 400 whatever the session (SGLang's schema decodes it)
         data = [weight_wire.decode(p, "serialized_named_tensors") for p in payloads][0]
     except weight_wire.UnsafePayload as exc:
