@@ -50,6 +50,9 @@ def test_weight_sync_benchmark_smoke(tmp_path):
     rows = weight_sync.main(["--quick", "--out", str(tmp_path)])
     assert [r["path"] for r in rows] == ["distributed", "tensor", "disk"]
     assert all(r["model"] == "tiny" and r["push_s"] > 0 and r["gb_s"] > 0 and r["copy_gb_s"] > 0 for r in rows)
+    # Each path against its own medium: a memory copy, a gloo broadcast to a second process, a file.
+    assert [r["medium"] for r in rows] == ["gloo broadcast", "memory copy", "file write + read"]
+    assert all(r["medium_gb_s"] > 0 and r["ratio"] == pytest.approx(r["gb_s"] / r["medium_gb_s"], abs=0.01) for r in rows)
     with open(tmp_path / "results.csv") as f:
         assert [r["path"] for r in csv.DictReader(f)] == ["distributed", "tensor", "disk"]
     meta = json.loads((tmp_path / "meta.json").read_text())

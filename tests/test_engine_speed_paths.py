@@ -83,26 +83,53 @@ def test_prefill_logits_and_gathered_slots_match_hf(policy):
         assert torch.allclose(out[i], hf_last_logits(model, prompts[r] + [nxt[r]]), atol=1e-4)
 
 
-def test_weight_update_refreshes_folded_norms_and_fused_matrices(policy):
-    model = copy.deepcopy(policy[0])
+def _tiny_qwen3(dtype: torch.dtype):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=64, hidden_size=96, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=24, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).to(dtype).eval()
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen3-float32", "qwen3-bfloat16"])
+def test_weight_update_refreshes_folded_norms_and_fused_matrices(policy, kind):
+    """Each way the fused matrices are built (Qwen2 in float32: norms folded, rows permuted for the
+    complex RoPE; Qwen3 in float32: q/k norms, norms folded; bfloat16: nothing folded) is rewritten
+    in place by an update, twice, and the engine then computes what HF computes."""
+    model = copy.deepcopy(policy[0]) if kind == "tiny" else _tiny_qwen3(getattr(torch, kind.split("-")[1]))
     eng = Engine(model, max_running_requests=4)
+    dtype = next(model.parameters()).dtype
+    tol = 1e-4 if dtype == torch.float32 else 0.1
     try:
-        torch.manual_seed(1)
-        update = {
-            "model.layers.0.input_layernorm.weight": torch.rand(96) + 0.5,
-            "model.layers.2.post_attention_layernorm.weight": torch.rand(96) + 0.5,
-            "model.norm.weight": torch.rand(96) + 0.5,
-            "model.layers.1.self_attn.k_proj.weight": torch.randn(24, 96) * 0.1,
-            "model.layers.1.mlp.up_proj.weight": torch.randn(256, 96) * 0.1,
-            "model.layers.2.self_attn.o_proj.weight": torch.randn(96, 96) * 0.1,
-        }
-        eng.update_weights(update, weight_version="1")
-        prompt = [5, 6, 7, 8, 9]
-        out = eng.generate(prompt, max_new_tokens=8, ignore_eos=True)
-        with torch.no_grad():
-            ref = torch.log_softmax(model(torch.tensor([prompt + out.output_ids])).logits[0].float(), -1)
-        expect = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.output_ids)]
-        assert max(abs(a - b) for a, b in zip(expect, out.output_logprobs)) <= 1e-4
-        assert out.output_versions == ["1"] * 8
+        fused = [t.data_ptr() for t in eng.runner._derived_weights()]
+        for round_ in range(2):
+            torch.manual_seed(1 + round_)
+            update = {k: v.to(dtype) for k, v in _random_update(model).items()}
+            eng.update_weights(update, weight_version=str(round_ + 1))
+            prompt = [5, 6, 7, 8, 9]
+            out = eng.generate(prompt, max_new_tokens=8, ignore_eos=True)
+            with torch.no_grad():
+                ref = torch.log_softmax(model(torch.tensor([prompt + out.output_ids])).logits[0].float(), -1)
+            expect = [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.output_ids)]
+            assert max(abs(a - b) for a, b in zip(expect, out.output_logprobs)) <= tol
+            assert out.output_versions == [str(round_ + 1)] * 8
+        # Rewritten where they were: an update allocates no new fused matrices.
+        assert [t.data_ptr() for t in eng.runner._derived_weights()] == fused
     finally:
         eng.stop()
+
+
+def _random_update(model) -> dict:
+    hidden = model.config.hidden_size
+    shape = {n: p.shape for n, p in model.named_parameters()}
+    return {
+        "model.layers.0.input_layernorm.weight": torch.rand(hidden) + 0.5,
+        "model.layers.2.post_attention_layernorm.weight": torch.rand(hidden) + 0.5,
+        "model.norm.weight": torch.rand(hidden) + 0.5,
+        "model.layers.1.self_attn.k_proj.weight": torch.randn(shape["model.layers.1.self_attn.k_proj.weight"]) * 0.1,
+        "model.layers.1.self_attn.q_proj.weight": torch.randn(shape["model.layers.1.self_attn.q_proj.weight"]) * 0.1,
+        "model.layers.1.mlp.up_proj.weight": torch.randn(shape["model.layers.1.mlp.up_proj.weight"]) * 0.1,
+        "model.layers.2.self_attn.o_proj.weight": torch.randn(shape["model.layers.2.self_attn.o_proj.weight"]) * 0.1,
+    }

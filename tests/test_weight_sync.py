@@ -260,8 +260,13 @@ def pool():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["distributed", "tensor", "disk"])
+@pytest.mark.parametrize("kind", ["distributed", "distributed-flattened", "tensor", "tensor-flattened", "disk"])
 def test_each_path_serves_the_new_weights_behind_the_router_and_on_one_replica(pool, policy, kind, tmp_path):
+    """Each path and wire format: ``distributed`` broadcasts each tensor (the engine receives into
+    its parameters) or flattened buckets; ``tensor`` sends handles to the trainer's own tensors
+    (moved to shared memory in place) or flattened buckets in staging memory."""
+    kind, _, variant = kind.partition("-")
+    options = {"flatten": True} if variant and kind == "distributed" else ({"zero_copy": False} if variant else {})
     model, tok = policy
     prompt = tok("weights", add_special_tokens=False)["input_ids"]
     original = {k: v.clone() for k, v in model.state_dict().items()}
@@ -273,10 +278,12 @@ def test_each_path_serves_the_new_weights_behind_the_router_and_on_one_replica(p
         both = pool.client()  # generate through the router; updates to each replica
         one = SGLangClient([pool.worker_urls[0]])  # a single replica on its own
         # Small buckets: several per push, so the bucket boundaries are exercised too.
-        sync = make_weight_sync(kind, both, bucket_bytes=256 * 1024, timeout_s=120, work_dir=str(tmp_path))
-        solo = make_weight_sync(kind, one, bucket_bytes=256 * 1024, timeout_s=120, work_dir=str(tmp_path))
+        sync = make_weight_sync(kind, both, bucket_bytes=256 * 1024, timeout_s=120, work_dir=str(tmp_path), **options)
+        solo = make_weight_sync(kind, one, bucket_bytes=256 * 1024, timeout_s=120, work_dir=str(tmp_path), **options)
         try:
             await sync.push(new, 7, step=6)
+            # The zero-copy tensor path sent the tensors themselves: they now live in shared memory.
+            assert all(t.is_shared() for t in new.values()) == (kind == "tensor" and not variant)
             for i in range(2):  # round robin: one request per replica
                 res = await both.generate(greedy(f"{kind}-new-{i}", prompt))
                 assert res.output_ids == ref_new and res.weight_versions == [7] * 12

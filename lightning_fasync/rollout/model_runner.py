@@ -10,8 +10,9 @@ so the step is written to issue few ops:
 
 * per-step tensors (slots, tokens and positions in one conversion, cache rows, the attention mask,
   RoPE rows) are built once and shared by every layer;
-* weights are fused (q|k|v, gate|up) and pre-transposed once; in float32 each RMSNorm weight is
-  folded into the matrix after it, and (no per-head q/k norm) the attention scale into W_q;
+* weights are fused (q|k|v, gate|up) and pre-transposed once; in float32 each decoder layer's
+  RMSNorm weights are folded into the matrix after them, and (no per-head q/k norm) the attention
+  scale into W_q; in other dtypes q/k/v and gate/up are views of the fused matrices;
 * RoPE is one complex multiply (q/k features stored pair-interleaved, see ``__init__``), else
   ``roll`` + ``addcmul`` with the sign folded into the sin table;
 * attention is ``baddbmm`` (mask broadcast over the query heads of a kv group) + ``softmax`` +
@@ -177,18 +178,19 @@ class ModelRunner:
 
     @torch.no_grad()
     def refresh_weights(self, names: Optional[Iterable[str]] = None) -> None:
-        """Rebuild the fused q|k|v and gate|up matrices (and the folded lm_head) from the HF parameters.
+        """Rebuild the fused q|k|v and gate|up matrices from the HF parameters, in place.
 
         One matmul instead of three (two) per layer is a sizeable share of a small model's decode
-        step. In float32 each RMSNorm's weight is also folded into the matrix that consumes the
-        norm's output (``(w * n) @ W.T == n @ (W * w).T``), which saves one op per norm; in other
-        dtypes the HF norm module runs as is. The engine calls this after every weight update, so
-        the fused copies never go stale.
+        step. In float32 each layer's RMSNorm weights are also folded into the matrix that consumes
+        the norm's output (``(w * n) @ W.T == n @ (W * w).T``), which saves one op per norm; in
+        other dtypes the HF norm module runs as is, and the q/k/v and gate/up parameters are views
+        of the fused matrices, so an update writes them once and the rebuild copies nothing. The
+        engine calls this after every weight update, so the fused copies never go stale.
 
         Args:
             names: The parameters a weight update changed: only the layers they belong to (and the
-                lm_head fold, for any other name) are rebuilt, so an update sent in many buckets
-                rebuilds each layer once. None: everything.
+                lm_head views, for any other name) are rebuilt, so an update sent in many buckets
+                rebuilds each layer once. None: everything, into new memory.
         """
         layers: Iterable[int] = range(len(self.layers))
         lm = True
@@ -206,7 +208,7 @@ class ModelRunner:
             self._fused: list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = [None] * len(self.layers)  # type: ignore[list-item]
             self._decode_w: list[tuple] = [None] * len(self.layers)  # type: ignore[list-item]
         for i in layers:
-            self._fused[i] = self._fuse_layer(self.layers[i])
+            self._fused[i] = self._fuse_layer(self.layers[i], self._fused[i])
             w, bias, gate_up = self._fused[i]
             attn, mlp = self.layers[i].self_attn, self.layers[i].mlp
             # Transposed views for addmm/mm, taken once (the o_proj/down views alias the parameters,
@@ -214,27 +216,65 @@ class ModelRunner:
             self._decode_w[i] = (w.t(), bias, attn.o_proj.weight.t(), attn.o_proj.bias, gate_up.t(),
                                  mlp.down_proj.weight.t(), mlp.down_proj.bias)
         if lm:
-            head = self.lm_head.weight
-            self._lm_weight = (head * self.norm.weight).contiguous() if self._fold else head
+            # The final norm's weight is not folded into lm_head: with a large vocabulary the folded
+            # copy would cost the head's size in memory, and a pass over it at every weight update,
+            # to save one small op per step.
+            self._lm_weight = self.lm_head.weight
             self._lm_t = self._lm_weight.t()
 
-    def _fuse_layer(self, layer: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    def _fuse_layer(self, layer: Any, into: Optional[tuple] = None) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """Layer ``layer``'s fused q|k|v (with its bias) and gate|up matrices, written into ``into``
+        (the layer's previous ones) where their shapes still fit: each piece is then read and written
+        once (concatenation, norm fold and scale in one op), and a weight update allocates nothing."""
         attn, mlp = layer.self_attn, layer.mlp
-        w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        pieces = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
         biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        bias = None if any(b is None for b in biases) else torch.cat(biases)
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        if self._fold:
-            w = w * layer.input_layernorm.weight
-            gate_up = gate_up * layer.post_attention_layernorm.weight
+        has_bias = not any(b is None for b in biases)
+        rows = sum(p.shape[0] for p in pieces)
+        old_w, old_bias, old_gate_up = into if into is not None else (None, None, None)
+        w = old_w if _reusable(old_w, pieces[0], rows) else torch.empty(
+            rows, pieces[0].shape[1], dtype=pieces[0].dtype, device=pieces[0].device)
+        bias = None
+        if has_bias:
+            bias = old_bias if _reusable(old_bias, biases[0], rows) else torch.empty(
+                rows, dtype=biases[0].dtype, device=biases[0].device)
+        ups = [mlp.gate_proj.weight, mlp.up_proj.weight]
+        gate_up = old_gate_up if _reusable(old_gate_up, ups[0], 2 * ups[0].shape[0]) else torch.empty(
+            2 * ups[0].shape[0], ups[0].shape[1], dtype=ups[0].dtype, device=ups[0].device)
+        norm_in = layer.input_layernorm.weight if self._fold else None
+        norm_post = layer.post_attention_layernorm.weight if self._fold else None
         if self._complex_rope:
+            # Rows of q|k permuted pair-interleaved (see __init__), q's also scaled; v as is.
             nq, nqk = self.num_heads * self.head_dim, self._qk_perm.numel()
-            w = torch.cat([w[:nqk][self._qk_perm], w[nqk:]])
+            qk = torch.cat(pieces[:2])
+            torch.index_select(qk, 0, self._qk_perm, out=w[:nqk])
+            _scaled_into(pieces[2], norm_in, w[nqk:])
+            if norm_in is not None:
+                w[:nqk].mul_(norm_in)
             w[:nq] *= self.scale
             if bias is not None:
-                bias = torch.cat([bias[:nqk][self._qk_perm], bias[nqk:]])
+                torch.index_select(torch.cat(biases[:2]), 0, self._qk_perm, out=bias[:nqk])
+                bias[nqk:].copy_(biases[2])
                 bias[:nq] *= self.scale
-        return w.contiguous(), bias, gate_up.contiguous()
+        else:
+            start = 0
+            for piece in pieces:
+                _scaled_into(piece, norm_in, w[start : start + piece.shape[0]])
+                start += piece.shape[0]
+            if bias is not None:
+                torch.cat(biases, out=bias)
+        _scaled_into(ups[0], norm_post, gate_up[: ups[0].shape[0]])
+        _scaled_into(ups[1], norm_post, gate_up[ups[0].shape[0] :])
+        if not self._fold and not self._complex_rope:
+            # Nothing is folded: q, k, v (gate, up) become views of the fused matrices, so a weight
+            # update writes them once and the rebuild above copies nothing (a view onto itself).
+            _rebind([attn.q_proj, attn.k_proj, attn.v_proj], w)
+            _rebind([mlp.gate_proj, mlp.up_proj], gate_up)
+        return w, bias, gate_up
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's last RMSNorm, with its weight (not folded into lm_head; see refresh_weights)."""
+        return torch.mul(self._norm(self.norm, x), self.norm.weight) if self._fold else self.norm(x)
 
     def _norm(self, module: Any, x: torch.Tensor) -> torch.Tensor:
         """RMSNorm of ``x``; in float32 without the weight, which is folded into the next matrix.
@@ -339,7 +379,7 @@ class ModelRunner:
                                                       enable_gqa=True)
                 attn = attn.reshape(b, -1)
             x = self._mlp_residual(i, x, attn)
-        return F.linear(self._norm(self.norm, x), self._lm_weight, self.lm_head.bias).float()
+        return F.linear(self._final_norm(x), self._lm_weight, self.lm_head.bias).float()
 
     @torch.inference_mode()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -409,7 +449,7 @@ class ModelRunner:
             gate, up = torch.mm(self._norm(layer.post_attention_layernorm, x), gu_t).chunk(2, dim=-1)
             act = F.silu(gate, inplace=True).mul_(up) if self._silu else layer.mlp.act_fn(gate) * up
             x = torch.addmm(x, act, down_t) if down_b is None else x + F.linear(act, down_t.t(), down_b)
-        logits = torch.mm(self._norm(self.norm, x), self._lm_t)
+        logits = torch.mm(self._final_norm(x), self._lm_t)
         if self.lm_head.bias is not None:
             logits = logits + self.lm_head.bias
         return logits.float()
@@ -493,3 +533,30 @@ def _free_storages(tensors: list[torch.Tensor], device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return freed
+
+
+def _reusable(old: Optional[torch.Tensor], like: torch.Tensor, rows: Optional[int] = None) -> bool:
+    """``old`` can take a rebuilt fused matrix of ``like``'s dtype and device (and ``rows`` rows):
+    it exists, has storage (not released) and the expected shape."""
+    if old is None or old.dtype != like.dtype or old.device != like.device or not old.untyped_storage().nbytes():
+        return False
+    shape = like.shape if rows is None else (rows, *like.shape[1:])
+    return tuple(old.shape) == tuple(shape)
+
+
+def _scaled_into(src: torch.Tensor, scale: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """``out = src * scale`` (a norm weight broadcast over rows), or a copy without ``scale``
+    (none when ``src`` already is ``out``)."""
+    if scale is not None:
+        torch.mul(src, scale, out=out)
+    elif not (src.data_ptr() == out.data_ptr() and src.shape == out.shape and src.stride() == out.stride()):
+        out.copy_(src)
+
+
+def _rebind(modules: list[Any], fused: torch.Tensor) -> None:
+    """Make each module's weight a view of its rows of ``fused`` (which holds their values)."""
+    start = 0
+    for module in modules:
+        rows = module.weight.shape[0]
+        module.weight.data = fused[start : start + rows]
+        start += rows

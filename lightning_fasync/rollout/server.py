@@ -432,6 +432,11 @@ async def weights_checker(request: web.Request) -> web.Response:
         return web.json_response({"success": False, "message": "The weights are released (/release_memory_occupation); "
                                   "there is nothing to check until they are resumed and loaded."}, status=400)
     model = engine.model
+    from lightning_fasync.rollout.weight_endpoints import weights_writing
+
+    if weights_writing(request.app):
+        return web.json_response({"success": False, "message": "A distributed weight update is writing the weights; "
+                                  "ask again once it has answered."}, status=400)
     async with request.app[STATE_KEY]["weights_lock"]:
         return web.json_response(await _blocking(engine_checksum_body, model, skip))
 

@@ -132,9 +132,10 @@ async def destroy_weights_update_group(request: web.Request) -> web.Response:
 
 
 def _receive(group: dict[str, Any], names: list[str], dtypes: list[Any], shapes: list[list[int]],
-             bucketed: bool) -> list[tuple[str, Any]]:
-    """Receive rank 0's broadcasts into new tensors on the engine's device (off the event loop; one
-    update at a time per group, so the collectives stay in the sender's order)."""
+             bucketed: bool, into: Optional[list[Any]] = None) -> list[tuple[str, Any]]:
+    """Receive rank 0's broadcasts (off the event loop; one update at a time per group, so the
+    collectives stay in the sender's order): a bucket into a reused buffer, single tensors into
+    ``into`` (the engine's own parameters, see :func:`_direct_targets`) or new tensors."""
     import torch
     import torch.distributed as dist
 
@@ -142,14 +143,59 @@ def _receive(group: dict[str, Any], names: list[str], dtypes: list[Any], shapes:
     with group["lock"]:
         if bucketed:
             metadata = weight_wire.layout(names, dtypes, shapes)
-            flat = torch.empty(weight_wire.bucket_bytes(metadata), dtype=torch.uint8, device=group["device"])
+            flat = _bucket_buffer(group, weight_wire.bucket_bytes(metadata))
             dist.broadcast(flat, src=0, group=group["pg"], async_op=True).wait(timeout)
             return weight_wire.unflatten(flat, metadata)
-        tensors = [(n, torch.empty(s, dtype=d, device=group["device"])) for n, d, s in zip(names, dtypes, shapes)]
+        if into is None:
+            into = [torch.empty(s, dtype=d, device=group["device"]) for d, s in zip(dtypes, shapes)]
+        tensors = list(zip(names, into))
         works = [dist.broadcast(t, src=0, group=group["pg"], async_op=True) for _, t in tensors]
         for work in works:
             work.wait(timeout)
         return tensors
+
+
+def _direct_targets(request: web.Request, names: list[str], dtypes: list[Any], shapes: list[list[int]]) -> Optional[list[Any]]:
+    """The engine's own parameters to receive single-tensor broadcasts into, so a distributed update
+    copies nothing on this side (the load that follows is then a copy of each onto itself, and the
+    fused matrices are rebuilt as after any update). Only while generation is paused (no decode
+    step reads the weights meanwhile), and only when every name is a parameter of that shape and
+    dtype with its memory in place; otherwise None: new tensors, checked and loaded as usual."""
+    engine = request.app[ENGINE_KEY]
+    if not engine.paused or engine.memory_released or request.app[STATE_KEY]["weights_lock"].locked():
+        return None
+    params = dict(engine.model.named_parameters(remove_duplicate=False))
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        param = params.get(name)
+        if (param is None or param.dtype != dtype or list(param.shape) != list(shape) or not param.is_contiguous()
+                or not param.untyped_storage().nbytes()):
+            return None
+        out.append(param.data)
+    return out
+
+
+def weights_writing(app: web.Application) -> bool:
+    """A distributed update of a live group is writing straight into the weights now."""
+    return any(g is not None and g.get("writing") for g in (app[STATE_KEY].get("weight_groups") or {}).values())
+
+
+def _bucket_buffer(group: dict[str, Any], nbytes: int) -> Any:
+    """A ``uint8`` buffer of ``nbytes`` to receive a flattened bucket into. On CPU one buffer per
+    group is kept between updates and grown as needed (receiving into fresh memory every bucket
+    costs a page fault per 4 KiB page, about as much as the transfer); on CUDA the caching allocator
+    already reuses memory. The buffer is busy from the receive until the bucket is loaded; a bucket
+    that arrives meanwhile gets fresh memory."""
+    import torch
+
+    device = group["device"]
+    if device.type != "cpu" or group.get("buffer_busy"):  # a sender that does not wait for answers
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buffer = group.get("buffer")
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = group["buffer"] = torch.empty(nbytes, dtype=torch.uint8)
+    group["buffer_busy"] = True
+    return buffer[:nbytes]
 
 
 async def update_weights_from_distributed(request: web.Request) -> web.Response:
@@ -187,14 +233,26 @@ async def update_weights_from_distributed(request: web.Request) -> web.Response:
     if group is None:
         known = [name for name, g in _groups(request).items() if g is not None]
         return _result(False, f"Group {group_name} not in {known}. Please call `init_weights_update_group` first.")
+    bucketed = load_format == "flattened_bucket"
+    into = None if bucketed or selector == "draft" else _direct_targets(request, names, dtypes, shapes)
+    # While the weights are written as received, /weights_checker refuses (weights_writing); the
+    # weights lock is not held meanwhile, since a receive whose sender has gone waits out the
+    # group's timeout, and later updates (on a new group, or another path) must not wait for it.
+    group["writing"] = into is not None
     try:
-        tensors = await weight_wire.in_daemon_thread(_receive, group, names, dtypes, shapes,
-                                                     load_format == "flattened_bucket")
+        tensors = await weight_wire.in_daemon_thread(_receive, group, names, dtypes, shapes, bucketed, into)
     except Exception as exc:  # noqa: BLE001 - a broken group or a sender gone: the caller is told
+        group["buffer_busy"] = False
         return _result(False, f"Failed to receive weights: {exc}")
-    if selector == "draft":  # no draft model here: received, nothing to load (as SGLang without one)
-        return _result(True, "Succeeded to update parameter online.")
-    return await _apply_update(request, dict(tensors), version, abort, flush=flush)
+    finally:
+        group["writing"] = False
+    try:
+        if selector == "draft":  # no draft model here: received, nothing to load (as SGLang without one)
+            return _result(True, "Succeeded to update parameter online.")
+        return await _apply_update(request, dict(tensors), version, abort, flush=flush)
+    finally:
+        del tensors
+        group["buffer_busy"] = False  # loaded: the next bucket may reuse the buffer
 
 
 def _named_tensors(obj: Any, load_format: Optional[str]) -> dict[str, Any]:

@@ -5,9 +5,10 @@ every engine TP rank (docs/weight_sync.md). The interface, the other paths and w
 
 The group is formed once and again only when the serving engines change (or after a collective
 failed): the ``/init_weights_update_group`` calls go out to every engine at once while rank 0
-creates its side. Each bucket is one ``uint8`` broadcast, issued on the caller's thread with
-``async_op=True`` beside the ``/update_weights_from_distributed`` calls; the answers and the
-broadcast are awaited together, each bounded by the push's timeout.
+creates its side. Each bucket is one ``/update_weights_from_distributed`` call per engine and one
+broadcast per tensor straight from the trainer's tensors (or, with ``flatten``, one ``uint8``
+broadcast of a flattened bucket), issued on the caller's thread with ``async_op=True``; the answers
+and the broadcasts are awaited together, each bounded by the push's timeout.
 """
 
 from __future__ import annotations
@@ -37,12 +38,17 @@ class DistributedWeightSync(_BucketedSync):
             engine is on this host, else this host's address on the route to the first engine.
         device: where the buckets are broadcast from (NCCL for CUDA, gloo otherwise); None: the
             device of the first tensor pushed.
+        flatten: one ``uint8`` broadcast per bucket (``load_format="flattened_bucket"``, a staging
+            copy on this side) instead of one broadcast per tensor straight from the tensors (the
+            default, as slime sends them; the embedded engine then receives into its parameters).
     """
 
     kind = "distributed"
 
-    def __init__(self, *args: Any, master_address: Optional[str] = None, device: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, master_address: Optional[str] = None, device: Any = None, flatten: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.flatten = flatten
         self.master_address = master_address
         self.device = torch.device(device) if device is not None else None
         self.group: Any = None
@@ -141,26 +147,52 @@ class DistributedWeightSync(_BucketedSync):
         return self._plan(named_tensors)
 
     async def _send(self, staged: Any, version: int, where: str) -> None:
+        if self.flatten:
+            await self._send_flattened(staged, version, where)
+            return
         kept: list[Bucket] = []
+        device = self.device or torch.device("cpu")
         for i, bucket in enumerate(staged):
-            filled = self._fill(bucket, self.device or torch.device("cpu"))
+            if self.keep:  # a copy for a replica that restarts (the tensors go on changing)
+                kept.append(self._fill(bucket, torch.device("cpu")))
             if self.group is None:  # no engine serves: nothing to broadcast to
-                if self.keep:
-                    kept.append(self._kept_copy(filled))
                 continue
-            meta = filled.metadata
-            body = {"names": [m.name for m in meta], "dtypes": [weight_wire.dtype_name(m.dtype) for m in meta],
-                    "shapes": [list(m.shape) for m in meta], "group_name": self.group_name,
-                    "flush_cache": self.flush_in_update, "abort_all_requests": False, "weight_version": _label(version),
-                    "load_format": "flattened_bucket"}
+            body = {"names": [n for n, _ in bucket], "dtypes": [weight_wire.dtype_name(t.dtype) for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                    "flush_cache": self.flush_in_update, "abort_all_requests": False, "weight_version": _label(version)}
             calls = {u: asyncio.ensure_future(self._update(u, "/update_weights_from_distributed", body, where))
                      for u in self.members}
-            # The broadcast is issued here, on the caller's thread; gloo/NCCL progress it meanwhile.
-            work = torch.distributed.broadcast(filled.flat, src=0, group=self.group, async_op=True)
-            if await self._collect(calls, work, where, f"bucket {i + 1} of {len(staged)}"):
+            # One broadcast per tensor, in order, straight from the trainer's tensors (slime's way):
+            # no staging copy. Issued here, on the caller's thread; gloo/NCCL progress them meanwhile.
+            sent = [t.detach().to(device).contiguous() for _, t in bucket]
+            works = _Works([torch.distributed.broadcast(t, src=0, group=self.group, async_op=True) for t in sent])
+            if await self._collect(calls, works, where, f"bucket {i + 1} of {len(staged)}"):
                 raise _MembersChanged()
-            if self.keep:
-                kept.append(self._kept_copy(filled))
+            del sent
+        self._kept = kept
+
+    async def _send_flattened(self, staged: Any, version: int, where: str) -> None:
+        kept: list[Bucket] = []
+        async with self._filler(staged, self.device or torch.device("cpu")) as fills:
+            for i in range(len(staged)):
+                filled = await fills.get(i)
+                if self.group is None:  # no engine serves: nothing to broadcast to
+                    if self.keep:
+                        kept.append(self._kept_copy(filled))
+                    continue
+                meta = filled.metadata
+                body = {"names": [m.name for m in meta], "dtypes": [weight_wire.dtype_name(m.dtype) for m in meta],
+                        "shapes": [list(m.shape) for m in meta], "group_name": self.group_name,
+                        "flush_cache": self.flush_in_update, "abort_all_requests": False,
+                        "weight_version": _label(version), "load_format": "flattened_bucket"}
+                calls = {u: asyncio.ensure_future(self._update(u, "/update_weights_from_distributed", body, where))
+                         for u in self.members}
+                # The broadcast is issued here, on the caller's thread; gloo/NCCL progress it meanwhile.
+                work = torch.distributed.broadcast(filled.flat, src=0, group=self.group, async_op=True)
+                if await self._collect(calls, work, where, f"bucket {i + 1} of {len(staged)}"):
+                    raise _MembersChanged()
+                if self.keep:
+                    kept.append(self._kept_copy(filled))
         self._kept = kept
 
     async def _collect(self, calls: dict[str, asyncio.Future], work: Any, where: str, what: str) -> list[str]:
@@ -218,6 +250,30 @@ class DistributedWeightSync(_BucketedSync):
                 return False
             await asyncio.sleep(0.1)
         return True
+
+
+class _Works:
+    """Several broadcasts awaited as one ``Work``: completed when all are, or as soon as one has
+    failed (those after it may never complete); ``wait`` then raises that one's error."""
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def is_completed(self) -> bool:
+        done = True
+        for w in self.works:
+            if not w.is_completed():
+                done = False
+            elif not w.is_success():
+                return True
+        return done
+
+    def wait(self) -> None:
+        for w in self.works:
+            if w.is_completed() and not w.is_success():
+                w.wait()  # raises its error
+        for w in self.works:
+            w.wait()
 
 
 class _MembersChanged(Exception):

@@ -313,7 +313,8 @@ class _BucketedSync(WeightSync):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._staging: Optional[torch.Tensor] = None  # reused shared memory when nothing is kept
+        # Two reused shared-memory buffers when nothing is kept: one is filled while the other is sent.
+        self._staging: list[Optional[torch.Tensor]] = [None, None]
         self._kept: list[Bucket] = []  # this push's buckets, in shared memory, when kept
 
     def _keep(self, staged: Any, version: int) -> Optional[KeptWeights]:
@@ -323,22 +324,26 @@ class _BucketedSync(WeightSync):
     def _discard(self, staged: Any) -> None:
         self._kept = []
 
-    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+    def _buffer(self, nbytes: int, device: torch.device, slot: int = 0) -> torch.Tensor:
         if device.type != "cpu":
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         if self.keep:  # each bucket is kept: memory of its own
             return weight_wire.new_shared_bytes(nbytes)
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = weight_wire.new_shared_bytes(nbytes)
-        return self._staging[:nbytes]
+        staging = self._staging[slot]
+        if staging is None or staging.numel() < nbytes:
+            staging = self._staging[slot] = weight_wire.new_shared_bytes(nbytes)
+        return staging[:nbytes]
 
     def _plan(self, named_tensors: Mapping[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
         return weight_wire.plan_buckets(unique_tensors(named_tensors), self.bucket_bytes)
 
-    def _fill(self, bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> Bucket:
+    def _fill(self, bucket: list[tuple[str, torch.Tensor]], device: torch.device, slot: int = 0) -> Bucket:
         metadata = weight_wire.layout([n for n, _ in bucket], [t.dtype for _, t in bucket], [t.shape for _, t in bucket])
-        flat = self._buffer(weight_wire.bucket_bytes(metadata), device)
+        flat = self._buffer(weight_wire.bucket_bytes(metadata), device, slot)
         return Bucket(flat, weight_wire.flatten_into(bucket, flat))
+
+    def _filler(self, staged: Sequence[Any], device: torch.device) -> "_Filler":
+        return _Filler(self, staged, device)
 
     def _kept_copy(self, bucket: Bucket) -> Bucket:
         if bucket.flat.device.type == "cpu" and self.keep:
@@ -348,27 +353,114 @@ class _BucketedSync(WeightSync):
         return Bucket(cpu, bucket.metadata)
 
 
+class _Filler:
+    """The buckets of a push, filled in order. On CPU the next bucket is filled on a thread while
+    the current one is sent (two staging buffers alternate), so the trainer's copy overlaps the
+    engines' load instead of adding to it; on an accelerator each bucket is filled when asked for
+    (its copies are asynchronous already). Use as ``async with``: leaving waits for a fill still
+    running, so no thread writes into a buffer the next push reuses."""
+
+    def __init__(self, sync: _BucketedSync, staged: Sequence[Any], device: torch.device) -> None:
+        self.sync, self.staged, self.device = sync, staged, device
+        self.ahead: Optional[tuple[int, asyncio.Future]] = None
+
+    def _fill(self, i: int) -> Bucket:
+        bucket = self.staged[i]
+        return bucket if isinstance(bucket, Bucket) else self.sync._fill(bucket, self.device, slot=i % 2)
+
+    async def get(self, i: int) -> Bucket:
+        """Bucket ``i`` filled; starts filling bucket ``i + 1`` (on CPU)."""
+        if self.ahead is not None and self.ahead[0] == i:
+            filled = await self.ahead[1]
+        else:
+            await self._settle()
+            filled = self._fill(i)
+        self.ahead = None
+        if self.device.type == "cpu" and i + 1 < len(self.staged):
+            self.ahead = (i + 1, asyncio.get_running_loop().run_in_executor(None, self._fill, i + 1))
+        return filled
+
+    async def _settle(self) -> None:
+        if self.ahead is not None:
+            future, self.ahead = self.ahead[1], None
+            with contextlib.suppress(Exception):
+                await asyncio.shield(future)
+
+    async def __aenter__(self) -> "_Filler":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._settle()
+
+
 class TensorWeightSync(_BucketedSync):
-    """``tensor``: ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``, one
-    bucket at a time to every engine at once; each bucket's memory is kept until every engine has
-    answered, then released (``torch.cuda.ipc_collect()`` on CUDA) unless kept for restarts."""
+    """``tensor``: ``/update_weights_from_tensor``, one bucket at a time to every engine at once.
+
+    CPU tensors go as handles to themselves (``(name, tensor)`` pairs, SGLang's default load
+    format): the first push moves each tensor's storage into a named shared-memory file in place
+    (the trainer's parameters then live there; same values, same tensors), and from then on the
+    engines copy straight from them, with nothing copied on this side. That needs room in
+    ``/dev/shm`` for the tensors; without it, and for CUDA tensors, buckets are flattened
+    (``load_format="flattened_bucket"``) into staging memory. Each bucket's memory is kept until
+    every engine has answered, then released (``torch.cuda.ipc_collect()`` on CUDA); with ``keep``
+    a copy for replicas that restart is made while the engines load.
+
+    Arguments:
+        zero_copy: send CPU tensors as handles to themselves (above); False: always flatten.
+    """
 
     kind = "tensor"
+
+    def __init__(self, *args: Any, zero_copy: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.zero_copy = zero_copy
 
     async def _stage(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> Any:
         return self._plan(named_tensors)  # filled one bucket at a time in _send
 
     async def _send(self, staged: Any, version: int, where: str) -> None:
         kept: list[Bucket] = []
-        for bucket in staged:
-            filled = bucket if isinstance(bucket, Bucket) else self._fill(bucket, bucket[0][1].device)
-            await self.send_bucket(filled, version, where)
-            if self.keep:
-                kept.append(self._kept_copy(filled))
-            if filled.flat.is_cuda:
-                del filled
-                torch.cuda.ipc_collect()  # the engines have dropped their handles: free the memory
+        first = staged[0] if staged else None
+        device = first.flat.device if isinstance(first, Bucket) else (first[0][1].device if first else torch.device("cpu"))
+        if self.zero_copy and first is not None and not isinstance(first, Bucket) and _shareable(staged):
+            await self._send_shared(staged, version, where)
+            return
+        async with self._filler(staged, device) as fills:
+            for i in range(len(staged)):
+                filled = await fills.get(i)
+                await self.send_bucket(filled, version, where)
+                if self.keep:
+                    kept.append(self._kept_copy(filled))
+                if filled.flat.is_cuda:
+                    del filled
+                    torch.cuda.ipc_collect()  # the engines have dropped their handles: free the memory
         self._kept = kept
+
+    async def _send_shared(self, staged: Sequence[list[tuple[str, torch.Tensor]]], version: int, where: str) -> None:
+        loop = asyncio.get_running_loop()
+        kept: list[Bucket] = []
+        for bucket in staged:
+            # The copy kept for restarts is made on a thread while the engines copy the same tensors.
+            keeping = loop.run_in_executor(None, self._fill, bucket, torch.device("cpu")) if self.keep else None
+            try:
+                await self.send_pairs(bucket, version, where)
+            finally:
+                if keeping is not None:
+                    kept.append(await keeping)
+        self._kept = kept
+
+    async def send_pairs(self, bucket: Sequence[tuple[str, torch.Tensor]], version: int, where: str) -> None:
+        """``(name, tensor)`` pairs to every serving engine at once, as handles to the tensors' own
+        (shared) memory; returns when each has answered."""
+        tp = dict(zip(self.client.worker_urls, await self.tp_sizes(self.client.worker_urls)))
+        pairs = [(n, t.detach()) for n, t in bucket]
+
+        def body(url: str) -> dict[str, Any]:
+            payloads = [weight_wire.serialize(pairs) for _ in range(tp.get(url, 1))]
+            return {"serialized_named_tensors": payloads, "flush_cache": self.flush_in_update,
+                    "abort_all_requests": False, "weight_version": _label(version)}
+
+        await self._update_all("/update_weights_from_tensor", body, where)
 
     async def send_bucket(self, bucket: Bucket, version: int, where: str) -> None:
         """One bucket to every serving engine at once; returns when each has answered."""
@@ -381,6 +473,25 @@ class TensorWeightSync(_BucketedSync):
                     "flush_cache": self.flush_in_update, "abort_all_requests": False, "weight_version": _label(version)}
 
         await self._update_all("/update_weights_from_tensor", body, where)
+
+
+def _shareable(buckets: Sequence[list[tuple[str, torch.Tensor]]]) -> bool:
+    """Every tensor is a contiguous CPU tensor whose storage is in shared memory already or fits in
+    what ``/dev/shm`` has free (with a quarter to spare): then it can travel as a handle to itself."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for _, tensor in (pair for bucket in buckets for pair in bucket):
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return False
+        storage = tensor.untyped_storage()
+        storages.setdefault(storage.data_ptr(), storage)
+    need = sum(s.nbytes() for s in storages.values() if not s.is_shared())
+    if not need:
+        return True
+    try:
+        stat = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return need <= 0.75 * stat.f_bavail * stat.f_frsize
 
 
 def _label(version: Optional[int]) -> Optional[str]:
