@@ -438,6 +438,12 @@ class TensorWeightSync(_BucketedSync):
 
     async def _send_shared(self, staged: Sequence[list[tuple[str, torch.Tensor]]], version: int, where: str) -> None:
         loop = asyncio.get_running_loop()
+        # Into shared memory first, here (the serialiser would do it too): a storage must not move
+        # while the thread below copies from it.
+        for _, tensor in (pair for bucket in staged for pair in bucket):
+            storage = tensor.untyped_storage()
+            if not storage.is_shared():
+                storage._share_filename_cpu_()
         kept: list[Bucket] = []
         for bucket in staged:
             # The copy kept for restarts is made on a thread while the engines copy the same tensors.
