@@ -376,12 +376,15 @@ def test_observation_ids_are_the_chat_templates_tool_rendering(tok):
 @pytest.fixture(scope="module")
 def agent_policy(tmp_path_factory):
     """The tiny policy after a short warm start on tool-call transcripts (both tools): sampled at
-    temperature 0.5 it writes parseable calls, mostly to the wrong numbers."""
+    temperature 0.5 it writes parseable calls, often to the wrong numbers."""
     from lightning_fasync.agents.task import warm_start
     from lightning_fasync.policy import build_policy, save_policy
 
     model, tokenizer = build_policy("tiny")
-    warm_start(model, tokenizer, 100, batch_size=16, lr=5e-3, tools=("calculator", "python"))
+    # warm_start's own learning rate: at 5e-3 the result hung on torch's thread count (on 1 thread
+    # the policy wrote 6 parseable calls in 64 samples, on 2 threads 61); at 3e-3 the losses and the
+    # policy come out the same on 1, 2 and 4 threads (~95 % of samples parse).
+    warm_start(model, tokenizer, 100, batch_size=16, lr=3e-3, tools=("calculator", "python"))
     return save_policy(model, tokenizer, str(tmp_path_factory.mktemp("agent_policy")))
 
 

@@ -75,24 +75,29 @@ def test_spec_launch_line_has_a_direct_equivalent(tmp_path):
 
 @pytest.mark.slow
 def test_embedded_default_learns_end_to_end(tmp_path):
-    """The default run (120 rollout steps, ~2 minutes on 2 cores) lifts mean reward by >= 0.3, and
-    leaves what a run should: checkpoints on save_freq with the pipeline state, the spec's metrics
-    in TensorBoard once per rollout step, a ledger with each prompt once, the event log."""
+    """The default config, run for half its 120 rollout steps (its cosine schedule over 60), lifts
+    mean reward by >= 0.1, and leaves what a run should: checkpoints on save_freq with the pipeline
+    state, the spec's metrics in TensorBoard once per rollout step, a ledger with each prompt once,
+    the event log."""
     from lightning_fasync.plots import read_scalars
 
-    steps, save_freq = 120, 20
-    proc = run_fit(tmp_path, timeout=900)
+    # Half the default run: by step 60 the curve is well clear of the untrained policy, whose 5-step
+    # mean reward is ~0.002 (no step of 0-19 above 0.05): the last 5 steps' mean was 0.25-0.43 over
+    # five runs, so 0.1 fails without learning and not by chance. Every other check below holds at
+    # any step count; save_freq 10 gives six saves, so trainer.save_keep_last = 3 deletes some.
+    steps, save_freq = 60, 10
+    proc = run_fit(tmp_path, f"--trainer.rollout_steps={steps}", f"--trainer.save_freq={save_freq}", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
     rewards = [v for _, v in read_scalars(log_dir)["rollout/reward_mean"]]
     assert len(rewards) == steps
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last - first >= 0.3, (first, last)
+    assert last - first >= 0.1, (first, last)
 
-    # Checkpoints on save_freq (the config's 20), the last trainer.save_keep_last = 3 kept, with the
-    # pipeline state inside.
+    # Checkpoints on save_freq, the last trainer.save_keep_last = 3 kept, with the pipeline state
+    # inside.
     ckpts = sorted(os.path.basename(p) for p in glob.glob(os.path.join(log_dir, "checkpoints", "*.ckpt")))
-    assert ckpts == ["last.ckpt", "step-000079.ckpt", "step-000099.ckpt", "step-000119.ckpt"]
+    assert ckpts == ["last.ckpt", "step-000039.ckpt", "step-000049.ckpt", "step-000059.ckpt"]
     import torch
 
     ckpt = torch.load(os.path.join(log_dir, "checkpoints", "last.ckpt"), weights_only=True, map_location="cpu")
