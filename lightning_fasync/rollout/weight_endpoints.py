@@ -160,7 +160,9 @@ def _direct_targets(request: web.Request, names: list[str], dtypes: list[Any], s
     copies nothing on this side (the load that follows is then a copy of each onto itself, and the
     fused matrices are rebuilt as after any update). Only while generation is paused (no decode
     step reads the weights meanwhile), and only when every name is a parameter of that shape and
-    dtype with its memory in place; otherwise None: new tensors, checked and loaded as usual."""
+    dtype with its memory in place; otherwise None: new tensors, checked and loaded as usual. A
+    group that breaks in the middle leaves the tensors received so far written; the push then
+    fails and the engine stays paused until the next one."""
     engine = request.app[ENGINE_KEY]
     if not engine.paused or engine.memory_released or request.app[STATE_KEY]["weights_lock"].locked():
         return None
