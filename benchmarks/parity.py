@@ -88,21 +88,11 @@ def slug(name: str) -> str:
 
 def machine() -> dict[str, Any]:
     """nproc, CPU model, load average, date and git commit (with -dirty for a modified tree)."""
-    model = "?"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-        commit = (commit or "?") + ("-dirty" if dirty else "")
-    except OSError:
-        commit = "?"
+    from _machine import cpu_model, git_state
+
+    model = cpu_model() or "?"
+    full, dirty = git_state()
+    commit = (full[:7] or "?") + ("-dirty" if dirty else "")
     return {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "nproc": os.cpu_count() or 1,

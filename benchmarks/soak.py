@@ -29,7 +29,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -203,11 +202,9 @@ def _growth(samples: list[dict[str, Any]], role: str, key: str, warm_step: int) 
 
 
 def _machine() -> dict[str, Any]:
-    model = ""
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    from _machine import cpu_model
+
+    model = cpu_model()
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "nproc": os.cpu_count(), "cpu": model,
             "loadavg_before": os.getloadavg(), "python": platform.python_version()}
 
@@ -287,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         *(f"| {r['step']} | {r['phase']} | {r['replica']} | {r['detect_s']} | {r['restart_s']} | {r['down_s']} | "
           f"{r['weight_version']} |" for r in recoveries),
         "",
-        f"| run | process | RSS KiB warm -> end (growth) | threads | fds |",
+        "| run | process | RSS KiB warm -> end (growth) | threads | fds |",
         "|---|---|---|---|---|",
     ]
     for name, roles in procs.items():

@@ -59,17 +59,10 @@ MODELS = ("tiny", "qwen3-0.6b-shape")
 
 
 def machine() -> dict[str, Any]:
-    model = ""
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True,
-                                    timeout=10).stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = "", False
+    from _machine import cpu_model, git_state
+
+    model = cpu_model()
+    commit, dirty = git_state()
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "nproc": os.cpu_count(), "cpu": model,
             "loadavg_before": os.getloadavg(), "python": platform.python_version(), "git_commit": commit,
             "git_dirty": dirty}
