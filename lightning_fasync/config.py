@@ -316,6 +316,8 @@ class ISCorrectionConfig:
 REFERENCE_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_SYNC_CHOICES = ("auto", "distributed", "tensor", "disk")
 """The values of ``rollout.weight_sync`` (``rollout/weight_sync.py`` implements the last three)."""
+PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
+"""The values of ``algorithm.prox_logp_method``."""
 
 
 @dataclass
@@ -367,6 +369,13 @@ class AlgorithmConfig:
     """M2PO token masking."""
     opsm: OPSMConfig = field(default_factory=OPSMConfig)
     """OPSM sequence masking."""
+    prox_logp_method: str = "recompute"
+    """How the old (proximal) policy's log-probs are had (AReaL's ``actor.prox_logp_method``):
+    ``recompute``: a forward pass under the step-start weights (the first training call of a step
+    reuses its own forward, whose weights are those); ``loglinear``: no forward pass, log-linear
+    interpolation between the engine's log-probs and the current policy's by weight version, exact
+    for on-policy tokens and at a step's first call; ``metrics``: recompute, and log the
+    interpolation's error (``train/prox_approx_abs_err``)."""
 
 
 @dataclass
@@ -879,6 +888,16 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
         raise ConfigError(
             "`algorithm.m2po.enable` is true while `trainer.use_rollout_log_probs` is true; "
             "M2PO compares old and rollout log-probs and cannot be used with rollout log-probs as the old policy."
+        )
+    if cfg.algorithm.prox_logp_method not in PROX_LOGP_METHODS:
+        raise ConfigError(
+            f"`algorithm.prox_logp_method` is {cfg.algorithm.prox_logp_method!r}; it must be one of "
+            f"{', '.join(PROX_LOGP_METHODS)}."
+        )
+    if cfg.algorithm.prox_logp_method != "recompute" and cfg.trainer.use_rollout_log_probs:
+        raise ConfigError(
+            f"`algorithm.prox_logp_method` is {cfg.algorithm.prox_logp_method} while `trainer.use_rollout_log_probs` is "
+            "true; the old policy is then the engine's log-probs, so there is nothing to interpolate: use recompute."
         )
     if cfg.rollout.sampler.num_oversample < 0:
         raise ConfigError(

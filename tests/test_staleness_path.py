@@ -10,7 +10,6 @@
   version that generated them.
 """
 
-import contextlib
 import copy
 
 import lightning.pytorch as pl
@@ -45,45 +44,53 @@ def _checksum(module):
 
 
 class _DriverProbe(pl.Callback):
-    """Calls ``begin_rollout_step`` where FullyAsyncCallback does: on_train_start and, at a step
-    boundary, in on_train_batch_end (lightning_fasync/lightning/callback.py)."""
+    """Calls ``begin_rollout_step`` and fills the batch where FullyAsyncCallback does: on_train_start
+    and, at a step boundary, in on_train_batch_end (lightning_fasync/lightning/callback.py); keeps a
+    frozen copy of each step's start weights."""
 
     def __init__(self):
         self.step, self.start, self.seen = 0, None, []
 
     def on_train_start(self, trainer, module):
         module.begin_rollout_step(0)
-        self.start = _checksum(module)
+        self.start = copy.deepcopy(module.policy)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         batch.groups, batch.rollout_step = [_group(batch_idx)], self.step
+        batch.call_index, batch.calls_per_step = batch_idx % CALLS_PER_STEP, CALLS_PER_STEP
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if (batch_idx + 1) % CALLS_PER_STEP == 0:
             self.step += 1
             module.begin_rollout_step(self.step)
-            self.start = _checksum(module)
+            self.start = copy.deepcopy(module.policy)
 
 
 class _Module(RLPolicyModule):
     def training_step(self, batch, batch_idx):
-        original, probe = self.snapshot.use_old_weights, self.probe
+        import lightning_fasync.lightning.module as mod
 
-        @contextlib.contextmanager
-        def observed():
-            with original() as swapped:
-                same = all(torch.equal(a, b) for a, b in zip(_checksum(self), probe.start))
-                probe.seen.append((batch.rollout_step, same))
-                yield swapped
+        original, probe = mod.compute_policy_loss, self.probe
 
-        self.snapshot.use_old_weights = observed
+        def observed(log_probs, old_log_probs, *args, **kwargs):
+            data = collate_groups(batch.groups, self.tokenizer.pad_token_id)
+            with torch.no_grad():
+                want, _ = token_log_probs(probe.start, data, temperature=self.rollout_temperature)
+            mask = data.response_mask.bool()
+            probe.seen.append((batch.rollout_step, torch.allclose(old_log_probs[mask], want[mask], atol=1e-6),
+                               old_log_probs.requires_grad))
+            return original(log_probs, old_log_probs, *args, **kwargs)
+
+        mod.compute_policy_loss = observed
         try:
             return super().training_step(batch, batch_idx)
         finally:
-            self.snapshot.use_old_weights = original
+            mod.compute_policy_loss = original
 
 
 def test_old_log_probs_use_the_step_start_weights_for_every_call_of_every_step(tmp_path):
+    # The first call of a step takes them from its own forward (its weights are the step-start
+    # ones), the later ones from the snapshot: either way the step-start policy's, detached.
     module = _Module("tiny", **RLPolicyModule.algorithm_args(FasyncConfig()))
     module.probe = probe = _DriverProbe()
     trainer = pl.Trainer(
@@ -91,10 +98,10 @@ def test_old_log_probs_use_the_step_start_weights_for_every_call_of_every_step(t
         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0, accelerator="cpu",
         default_root_dir=tmp_path,
     )
-    before = _checksum(module)
+    first = _checksum(module)
     trainer.fit(module, train_dataloaders=rollout_dataloader())
-    assert not all(torch.equal(a, b) for a, b in zip(before, _checksum(module)))  # the weights did move
-    assert probe.seen == [(s, True) for s in range(2) for _ in range(CALLS_PER_STEP)]
+    assert not all(torch.equal(a, b) for a, b in zip(first, _checksum(module)))  # the weights did move
+    assert probe.seen == [(s, True, False) for s in range(2) for _ in range(CALLS_PER_STEP)]
 
 
 def test_the_loss_is_decoupled_ppo_with_a_truncated_behaviour_weight():

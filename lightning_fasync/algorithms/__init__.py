@@ -24,7 +24,13 @@ from lightning_fasync.algorithms.losses import (
 from lightning_fasync.algorithms.metrics import METRIC_KEYS, grad_norm_metric
 from lightning_fasync.algorithms.policy_loss import LOSS_METRIC_KEYS, REF_METRIC_KEYS, compute_policy_loss, policy_loss
 from lightning_fasync.algorithms.snapshot import OldActorSnapshot
-from lightning_fasync.algorithms.staleness import LAG_BUCKETS, VERSION_LAG_KEYS, version_lag, version_lag_metrics
+from lightning_fasync.algorithms.staleness import (
+    LAG_BUCKETS,
+    VERSION_LAG_KEYS,
+    prox_log_probs_loglinear,
+    version_lag,
+    version_lag_metrics,
+)
 
 __all__ = [
     "IS_LEVELS",
@@ -51,6 +57,7 @@ __all__ = [
     "opsm_mask",
     "policy_loss",
     "ppo_clip_token_loss",
+    "prox_log_probs_loglinear",
     "sequence_mean_kl",
     "version_lag",
     "version_lag_metrics",

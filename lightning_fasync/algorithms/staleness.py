@@ -19,7 +19,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["LAG_BUCKETS", "VERSION_LAG_KEYS", "version_lag", "version_lag_metrics"]
+__all__ = ["LAG_BUCKETS", "VERSION_LAG_KEYS", "prox_log_probs_loglinear", "version_lag", "version_lag_metrics"]
 
 LAG_BUCKETS = ("0", "1", "2", "ge3")
 """Lag buckets of the per-lag metrics: lag 0, 1, 2 and 3 or more."""
@@ -169,3 +169,46 @@ def version_lag_metrics(
             out[pre + "clip_ratio"] = share(clipped) if clipped is not None else nan
         values = torch.stack([out[key].to(f64) for key in VERSION_LAG_KEYS]).tolist()
     return dict(zip(VERSION_LAG_KEYS, values))
+
+
+def prox_log_probs_loglinear(
+    rollout_log_probs: torch.Tensor,
+    log_probs: torch.Tensor,
+    weight_versions: torch.Tensor,
+    response_mask: torch.Tensor,
+    current_version: int,
+    call_index: int,
+    calls_per_step: int,
+) -> torch.Tensor:
+    """The proximal (step-start) policy's log-probs without a forward pass: AReaL's ``loglinear``
+    approximation, ``log pi_prox = log mu + alpha (log pi_theta - log mu)`` with
+    ``alpha = (v_prox - v_mu) / (v_theta - v_mu)`` per token.
+
+    Versions are counted in optimizer updates, so that ``alpha`` knows where in its step the
+    trainer is: the token's generating weights ``v_mu = weight_version x calls_per_step``, the
+    step-start weights ``v_prox = current_version x calls_per_step``, the weights being trained
+    ``v_theta = v_prox + call_index``. Hence exact where it can be: an on-policy token (``v_mu =
+    v_prox``, alpha 0) takes the engine's log-prob, the first call of a step (``v_theta = v_prox``,
+    alpha 1) the current policy's, which are then the step-start weights' own. (AReaL counts whole
+    steps, ``v_theta = v_prox + 1``, so its alpha is 1/2 at lag 1 whatever the call.)
+
+    Args:
+        rollout_log_probs: ``[B, T]`` the engine's (behaviour) log-probs ``log mu``.
+        log_probs: ``[B, T]`` the current policy's log-probs (detached here).
+        weight_versions, response_mask, current_version: as in :func:`version_lag`.
+        call_index: training calls already done in this step (0 for its first).
+        calls_per_step: ``(B x N) // M``.
+
+    Returns:
+        ``[B, T]`` approximated proximal log-probs (the current policy's outside the mask, where
+        the engine's may be missing).
+    """
+    if calls_per_step < 1 or not 0 <= call_index < calls_per_step:
+        raise ValueError(f"`call_index` is {call_index} of `calls_per_step` {calls_per_step}; it must be in [0, calls_per_step).")
+    lag = version_lag(weight_versions, response_mask, current_version).to(log_probs.dtype)
+    gap = lag.clamp(min=0) * calls_per_step  # v_prox - v_mu, in updates (0 outside the mask)
+    alpha = torch.where(gap > 0, gap / (gap + call_index), torch.zeros_like(gap))
+    cur = log_probs.detach()
+    mu = rollout_log_probs.to(cur.dtype)
+    inside = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    return torch.where(inside, mu + alpha * (cur - mu), cur)

@@ -24,6 +24,10 @@ class RolloutBatch:
     groups: Optional[list[TrajectoryGroup]] = None
     rollout_step: int = -1
     data: Any = None  # the module's prepared tensors (``prepare_rollout_batch``), when it has one
+    call_index: int = 0
+    """Training calls (optimizer updates) already done in this rollout step."""
+    calls_per_step: int = 1
+    """(B × N) // M: training calls per rollout step, i.e. per weight version."""
 
 
 

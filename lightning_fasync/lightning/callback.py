@@ -230,6 +230,7 @@ class FullyAsyncCallback(Callback):
             groups = self._broadcast(trainer, groups)[self._rank :: self._world]
         batch.groups = groups
         batch.rollout_step = self._step
+        batch.call_index, batch.calls_per_step = self.schedule.calls, self.schedule.calls_per_step
         if ctl is not None:
             with ctl.timer.time("process_traj"):  # wait, not training (docs/contract.md §4)
                 batch.data = hooks.prepare_rollout_batch(groups)

@@ -126,7 +126,8 @@ class FullyAsyncFabricLoop:
 
         def prepare(groups: list[TrajectoryGroup]) -> RolloutBatch:
             fabric.call("on_rollout_batch_start", loop=self, groups=groups)
-            return RolloutBatch(groups=groups, rollout_step=ctl.rollout_step, data=hooks.prepare_rollout_batch(groups))
+            return RolloutBatch(groups=groups, rollout_step=ctl.rollout_step, data=hooks.prepare_rollout_batch(groups),
+                                call_index=ctl.schedule.calls, calls_per_step=ctl.schedule.calls_per_step)
 
         def train(batch: RolloutBatch) -> dict[str, float]:
             preemption.check(self.files.last)

@@ -24,6 +24,8 @@ from lightning_fasync.algorithms import (
     compute_policy_loss,
     grad_norm_metric,
     mask_offpolicy_tokens,
+    masked_mean,
+    prox_log_probs_loglinear,
     version_lag_metrics,
 )
 from lightning_fasync.config import REFERENCE_DTYPES, AlgorithmConfig, ConfigError, FasyncConfig, ReferenceConfig
@@ -336,17 +338,34 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         advantages = advantages.reshape(-1).to(self.device)
         nan_mask = nan_mask.reshape(-1).to(self.device)
 
+        method = algo.prox_logp_method
+        # The step's first training call trains the step-start weights themselves: its own forward
+        # gives the old log-probs, so the snapshot is only taken (for the later calls), not run.
+        first_call = batch.call_index == 0 and not self.snapshot.has_snapshot
+        old_log_probs: Optional[torch.Tensor] = None
         if self.use_rollout_log_probs:
             old_log_probs = data.rollout_log_probs
-        else:
-            with torch.no_grad(), self.snapshot.use_old_weights():
-                old_log_probs, _ = token_log_probs(self.policy, data, temperature=self.rollout_temperature)
+        elif method != "loglinear":
+            if first_call:
+                self.snapshot.take()
+            else:
+                with torch.no_grad(), self.snapshot.use_old_weights():
+                    old_log_probs, _ = token_log_probs(self.policy, data, temperature=self.rollout_temperature)
         ref_log_probs, teacher_s = None, None
         if self.reference is not None:
             # Also with kl_coef 0 (validate warns): then only reported as train/ref_kl.
             ref_log_probs, teacher_s = self.reference_log_probs(data)
         log_probs, entropy = token_log_probs(self.policy, data, with_entropy=True, entropy_grad=algo.entropy_coef != 0.0,
                                              temperature=self.rollout_temperature)
+        approx: Optional[torch.Tensor] = None
+        if method != "recompute" and not self.use_rollout_log_probs:
+            if batch.rollout_step < 0:
+                raise RuntimeError(f"`algorithm.prox_logp_method: {method}` needs the batch's rollout step (a RolloutBatch "
+                                   "filled by FullyAsyncCallback or FullyAsyncFabricLoop).")
+            approx = prox_log_probs_loglinear(data.rollout_log_probs, log_probs, data.weight_versions, mask,
+                                              batch.rollout_step, batch.call_index, batch.calls_per_step)
+        if old_log_probs is None:
+            old_log_probs = approx if method == "loglinear" else log_probs.detach()
         loss, metrics = compute_policy_loss(
             log_probs,
             old_log_probs,
@@ -358,6 +377,8 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             ref_log_probs=ref_log_probs,
             nan_mask=nan_mask,
         )
+        if method == "metrics" and approx is not None:
+            metrics["train/prox_approx_abs_err"] = masked_mean((approx - old_log_probs).abs(), mask).item()
         if teacher_s is not None:
             metrics["timing/teacher"] = teacher_s  # seconds of this call; the step sums timing/*
         if batch.rollout_step >= 0:
