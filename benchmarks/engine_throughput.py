@@ -17,6 +17,7 @@ of both scenarios alternate ``--repeats`` times, so a noisy neighbour on a share
 sides alike; best and median of each are reported.
 
     python benchmarks/engine_throughput.py                      # tiny preset, 1 thread, CPU
+    python benchmarks/engine_throughput.py --preset tiny,qwen3-30m-shape   # both CPU presets in turn
     python benchmarks/engine_throughput.py --device cuda --preset qwen3-0.6b-shape   # on a GPU
 """
 
@@ -95,7 +96,8 @@ def hf_one_at_a_time(model, tokenizer, batch: list[list[int]], max_new: int, dev
 def in_process_runner(model, args) -> tuple[Callable[..., tuple[int, float]], Callable[[], None]]:
     from lightning_fasync.rollout.engine import Engine, EngineRequest
 
-    engine = Engine(model, max_running_requests=args.max_running_requests, context_length=args.context_length)
+    engine = Engine(model, max_running_requests=args.max_running_requests, context_length=args.context_length,
+                    max_total_tokens=args.max_total_tokens)
 
     def run(batch: list[list[int]], lengths: list[int]) -> tuple[int, float]:
         done, lock, finished = threading.Event(), threading.Lock(), []
@@ -124,7 +126,9 @@ def http_runner(args, cores: list[int]) -> tuple[Callable[..., tuple[int, float]
 
     server = launch_server(args.preset, threads=args.threads, max_running_requests=args.max_running_requests,
                            cpu_cores=cores if args.device == "cpu" else None, context_length=args.context_length,
-                           extra_args=["--device", args.device, "--dtype", args.dtype], timeout=600)
+                           extra_args=["--device", args.device, "--dtype", args.dtype]
+                           + (["--max-total-tokens", str(args.max_total_tokens)] if args.max_total_tokens else []),
+                           timeout=600)
     others = set(range(os.cpu_count() or 1)) - set(cores)
     # One long-lived client on one event loop, as the trainer's producer holds it: its connection
     # pool stays warm between batches (a fresh client per batch would time 64 TCP connects too).
@@ -168,7 +172,9 @@ def _sync(device: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny",
+                   help="Comma-separated policy presets, measured one after the other (tiny, qwen3-30m-shape, "
+                        "qwen3-0.6b-shape) or a local model directory.")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--requests", type=int, default=64)
@@ -182,26 +188,40 @@ def main() -> None:
                    help="Alternating runs of each side and scenario; best and median of each are reported.")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default).")
     p.add_argument("--context-length", type=int, default=None,
-                   help="Engine tokens per request (sizes the KV cache); default: the model's, 1024 on CUDA.")
+                   help="Engine tokens per request; default: the model's, at most 1024 on CUDA and 512 on CPU.")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="The engine's KV pool in tokens (--max-total-tokens); default: the engine's, from its budget.")
     p.add_argument("--in-process", action="store_true", help="Drive the engine in-process instead of over HTTP.")
     p.add_argument("--sequential-sample", type=int, default=4,
                    help="Requests timed for the one-at-a-time HF baseline (a rate, so a few suffice); 0 skips it.")
     args = p.parse_args()
+    presets = [name.strip() for name in args.preset.split(",") if name.strip()]
+    for i, preset in enumerate(presets):
+        if i:
+            print()
+        measure(argparse.Namespace(**{**vars(args), "preset": preset}))
 
+
+def measure(args: argparse.Namespace) -> None:
+    """Both scenarios for one preset: HF and engine runs alternating, then the table."""
     cores = sorted(os.sched_getaffinity(0))[: args.threads]
     if args.device == "cpu":
         os.sched_setaffinity(0, set(cores))  # HF runs on the same cores the engine server gets
     torch.set_num_threads(args.threads)
-    if args.context_length is None and args.device.startswith("cuda"):
-        args.context_length = 1024  # Qwen3's 40k context would make a 64-slot KV cache needlessly large
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     from lightning_fasync.policy import build_policy
 
     model, tokenizer = build_policy(args.preset, dtype=getattr(torch, args.dtype))
+    if args.context_length is None:
+        # Prompts of ~30 tokens + --max-new-tokens: a model's long context would only size the pool.
+        cap = 1024 if args.device.startswith("cuda") else 512
+        args.context_length = max(min(model.config.max_position_embeddings, cap), args.max_new_tokens + 64)
     model.to(args.device)
     batch = make_prompts(tokenizer, args.requests)
-    print(f"preset={args.preset} device={args.device} dtype={args.dtype} threads={args.threads} cores={cores} "
-          f"requests={args.requests} max_new_tokens={args.max_new_tokens} repeats={args.repeats}")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"preset={args.preset} ({params / 1e6:.1f}M parameters) device={args.device} dtype={args.dtype} "
+          f"threads={args.threads} cores={cores} requests={args.requests} max_new_tokens={args.max_new_tokens} "
+          f"context_length={args.context_length} repeats={args.repeats}")
 
     scenarios = {}
     for name in [n.strip() for n in args.scenarios.split(",") if n.strip()]:

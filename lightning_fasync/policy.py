@@ -2,8 +2,11 @@
 
 Presets need no download: ``tiny`` is a small Qwen2-architecture model with seeded random weights and
 a character-level tokenizer (printable ASCII plus ``<pad>``, ``<s>``, ``</s>``, ``<unk>``) with a
-ChatML chat template, the embedded default policy of tests and CPU runs. ``qwen3-0.6b-shape`` has
-Qwen3-0.6B's dimensions with random weights, for GPU throughput benchmarks only.
+ChatML chat template, the embedded default policy of tests and CPU runs. ``qwen3-30m-shape`` is a
+~31M-parameter Qwen3 (per-head q/k norms, grouped-query attention, tied embeddings, the char
+tokenizer's vocabulary) with random weights, large enough that a CPU throughput benchmark measures
+the model rather than per-request overhead. ``qwen3-0.6b-shape`` has Qwen3-0.6B's dimensions with
+random weights, for GPU throughput benchmarks.
 
 Weights are only ever read from safetensors (``use_safetensors=True``), never from pickles.
 """
@@ -135,8 +138,35 @@ def _build_qwen3_06b_shape(dtype: torch.dtype) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
+def _build_qwen3_30m_shape(dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tokenizer = build_char_tokenizer()
+    # Qwen3-0.6B's proportions scaled down: MLP 3x hidden, GQA group 2, head_dim 64, tied
+    # embeddings; 10 layers of 3.1M parameters. The char vocabulary keeps the lm_head small, so
+    # the decoder layers carry the cost.
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = _seeded(lambda: AutoModelForCausalLM.from_config(config, dtype=dtype), _TINY_SEED)
+    return model.eval(), tokenizer
+
+
 PRESETS: dict[str, Callable[[torch.dtype], tuple[Any, Any]]] = {
     "tiny": _build_tiny,
+    "qwen3-30m-shape": _build_qwen3_30m_shape,
     "qwen3-0.6b-shape": _build_qwen3_06b_shape,
 }
 
@@ -145,7 +175,7 @@ def build_policy(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple
     """Build a causal LM and its tokenizer.
 
     Args:
-        name_or_path: A preset name (``tiny``, ``qwen3-0.6b-shape``) or a local Hugging Face
+        name_or_path: A preset name (``tiny``, ``qwen3-30m-shape``, ``qwen3-0.6b-shape``) or a local Hugging Face
             directory with a config, safetensors weights and a tokenizer.
         dtype: Parameter dtype.
 

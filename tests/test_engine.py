@@ -352,10 +352,17 @@ def test_a_kv_cache_that_cannot_fit_is_refused_with_the_numbers(policy, monkeypa
     from lightning_fasync.rollout import model_runner
 
     model, _ = policy
-    monkeypatch.setattr(model_runner, "_available_bytes", lambda device: 100 * 2**20)  # 100 MiB free
-    # tiny: 3 layers x 1 kv head x 24 dims x fp32 x (K, V) = 576 bytes per slot and token.
+    # tiny: 3 layers x 1 kv head x 24 dims x fp32 x (K, V) = 576 bytes per token.
     with pytest.raises(model_runner.KVCacheTooLargeError,
-                       match=r"needs 0\.1 GiB \(64 slots \(--max-running-requests\) x 4096 tokens \(--context-length\).*"
-                             r"0\.1 GiB free; lower --max-running-requests or --context-length"):
-        Engine(model, max_running_requests=64, context_length=4096)
-    Engine(model, max_running_requests=8, context_length=512).stop()  # 2.4 MB fits
+                       match=r"holds 992 tokens \(--max-total-tokens 1000\), fewer than the 4096 tokens one request "
+                             r"of --context-length 4096 takes in pages of --page-size 16"):
+        Engine(model, max_running_requests=64, context_length=4096, max_total_tokens=1000)
+    monkeypatch.setattr(model_runner, "_available_bytes", lambda device: 100 * 2**20)  # 100 MiB free
+    # The budget, not 64 x 4096 tokens, sizes the pool: weights + pool within 40 % of 100 MiB + weights.
+    eng = Engine(model, max_running_requests=64, context_length=4096)
+    try:
+        usage = eng.memory_usage()
+        assert 4096 <= usage["token_capacity"] < 64 * 4096
+        assert usage["weight_bytes"] + usage["kvcache_bytes"] <= 0.4 * (100 * 2**20 + usage["weight_bytes"])
+    finally:
+        eng.stop()

@@ -69,15 +69,17 @@ def test_seeded_rows_ignore_the_rest_of_the_batch():
 
 def test_prefill_logits_and_gathered_slots_match_hf(policy):
     model, _ = policy
-    runner = ModelRunner(model, max_slots=8, context_length=64)
+    runner = ModelRunner(model, max_slots=8, context_length=64, page_size=4)
     prompts = [[5, 6, 7], list(range(10, 40)), [9], list(range(3, 20))]
-    slots = [6, 1, 3, 4]  # not 0..B-1: decode takes the gather path
+    slots = [6, 1, 3, 4]  # not 0..B-1: decode gathers the block-table rows
+    runner.allocate(slots, [len(p) for p in prompts])
     logits = runner.prefill(slots, prompts)
     for row, p in enumerate(prompts):
         assert torch.allclose(logits[row], hf_last_logits(model, p), atol=1e-4)
     nxt = [11, 12, 13, 14]
     # Sorted by slot as the engine passes them: slots 1, 3, 4, 6.
     order = sorted(range(4), key=lambda r: slots[r])
+    runner.allocate(slots, [len(p) + 1 for p in prompts])  # [5, 6, 7] crosses into its second block
     out = runner.decode([slots[r] for r in order], [nxt[r] for r in order], [len(prompts[r]) for r in order])
     for i, r in enumerate(order):
         assert torch.allclose(out[i], hf_last_logits(model, prompts[r] + [nxt[r]]), atol=1e-4)

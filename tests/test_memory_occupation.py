@@ -145,7 +145,8 @@ def test_release_frees_memory_and_resume_brings_it_back(policy, tmp_path):
         assert status == 400 and "`tags` holds 'cuda_graph', which is not released" in out["error"]["message"]
         status, out = await call(s, "POST", url + "/resume_memory_occupation", {"tags": ["kv_cache"]})
         assert (status, out) == (200, None)
-        assert storage_bytes(caches) == [c.numel() * c.element_size() for c in caches]
+        pool = engine.runner.kv_pool  # the per-layer caches are views of one pool
+        assert storage_bytes(caches) == [pool.numel() * pool.element_size()] * len(caches)
 
         status, out = await waiting  # the queued request ran on the reloaded weights
         assert status == 200 and out["output_ids"] == greedy and out["meta_info"]["weight_version"] == "1"

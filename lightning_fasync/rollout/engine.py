@@ -1,10 +1,13 @@
 """The embedded rollout engine: a continuous-batching scheduler around a ``ModelRunner``.
 
 One engine thread owns the model and the KV cache. Between two decode steps it runs control
-operations (abort, pause, weight update), admits waiting requests into free cache slots (prefill),
-then decodes one token for every running request at once. Requests therefore join and leave the
-running batch at step granularity; an abort frees its slot before the next step. Every generated
-token records the weight version of the weights that produced it.
+operations (abort, pause, weight update), admits waiting requests (prefill) while a slot is free
+and the paged KV pool has blocks for their prompts, then decodes one token for every running
+request at once, first handing a block to each request that crosses a page boundary; when the pool
+has too few, it retracts running requests back to the queue (SGLang's retract-decode), to be
+prefilled again later with their tokens so far. Requests therefore join and leave the running batch
+at step granularity; an abort frees its slot and blocks before the next step. Every generated token
+records the weight version of the weights that produced it.
 
 Callers on other threads (the HTTP server's event loop) talk to the engine through ``submit`` (a
 request with an ``on_finish`` callback) and the blocking control methods, which wait for the engine
@@ -149,6 +152,11 @@ class Engine:
             ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``.
         enable_memory_saver: Free the released memory in ``release_memory_occupation`` (SGLang's
             ``--enable-memory-saver``); without it the calls are accepted and free nothing, as in SGLang.
+        page_size: Tokens per KV block (SGLang's ``--page-size``); see ``ModelRunner``.
+        max_total_tokens: The KV pool's size in tokens (SGLang's ``--max-total-tokens``); default:
+            from the memory budget.
+        mem_fraction_static: Share of the memory available at start that weights + KV pool may take
+            (SGLang's ``--mem-fraction-static``).
     """
 
     def __init__(
@@ -163,12 +171,16 @@ class Engine:
         allow_auto_truncate: bool = False,
         return_original_logprob: bool = False,
         enable_memory_saver: bool = False,
+        page_size: Optional[int] = None,
+        max_total_tokens: Optional[int] = None,
+        mem_fraction_static: Optional[float] = None,
     ) -> None:
         self.max_running_requests = max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self.context_length = context_length or min(
             getattr(model.config, "max_position_embeddings", DEFAULT_MAX_CONTEXT), DEFAULT_MAX_CONTEXT
         )
-        self.runner = ModelRunner(model, self.max_running_requests, self.context_length)
+        self.runner = ModelRunner(model, self.max_running_requests, self.context_length, page_size=page_size,
+                                  max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static)
         self.model = model
         self.vocab_size = model.config.vocab_size
         self.weight_version = str(weight_version)
@@ -188,6 +200,7 @@ class Engine:
         self._stopping = False
         self.fatal_error: Optional[BaseException] = None
         self.steps = 0
+        self.decode_retractions = 0  # requests sent back to the queue because the KV pool was full
         self.enable_memory_saver = enable_memory_saver
         self.released_tags: set[str] = set()  # engine thread writes; see release_memory_occupation
         self._thread = threading.Thread(target=self._run, name="fasync-engine", daemon=True)
@@ -467,11 +480,22 @@ class Engine:
         logger.info("Resumed memory %s.", ",".join(tags))
 
     def memory_usage(self) -> dict[str, Any]:
-        """What the weights and the KV cache hold now, in SGLang's ``memory_usage`` units (GB), plus
-        the bytes and the released tags."""
-        held = self.runner.memory_bytes()
+        """What the weights and the KV cache hold now, in SGLang's ``memory_usage`` units (GB) and
+        keys (``token_capacity``: the pool's size in tokens; ``startup_available``: the memory the
+        budget was taken from), plus the bytes, the pool's blocks (total, in use, free), the budget
+        and the released tags."""
+        runner = self.runner
+        held, plan = runner.memory_bytes(), runner.plan
         return {"weight": round(held["weights"] / 2**30, 3), "kvcache": round(held["kv_cache"] / 2**30, 3),
+                "token_capacity": runner.max_total_tokens,
+                "startup_available": round((plan.available_bytes or 0) / 2**30, 3),
                 "weight_bytes": held["weights"], "kvcache_bytes": held["kv_cache"],
+                "kv_pool": {"page_size": runner.page_size, "bytes_per_token": plan.bytes_per_token,
+                            "pool_bytes": plan.pool_bytes, "total_blocks": runner.num_blocks,
+                            "used_blocks": runner.used_blocks, "free_blocks": runner.free_blocks,
+                            "used_tokens": runner.used_blocks * runner.page_size,
+                            "mem_fraction_static": plan.mem_fraction_static, "budget_bytes": plan.budget_bytes,
+                            "decode_retractions": self.decode_retractions},
                 "released_tags": [t for t in MEMORY_TAGS if t in self.released_tags],
                 "enable_memory_saver": self.enable_memory_saver}
 
@@ -484,6 +508,8 @@ class Engine:
             "num_running_reqs": len(running),
             "num_waiting_reqs": waiting,
             "num_total_tokens": sum(len(r.input_ids) + len(r.output_ids) for r in running),
+            "kv_used_tokens": self.runner.used_blocks * self.runner.page_size,  # held by blocks, pages whole
+            "max_total_num_tokens": self.runner.max_total_tokens,
             "max_running_requests": self.max_running_requests,
             "paused": self._paused,
             "pause_mode": self._pause_mode,
@@ -565,8 +591,15 @@ class Engine:
                 seen = len(self._waiting)
 
     def _admit(self) -> None:
+        free = self.runner.free_blocks
         with self._cond:
-            n = min(len(self._free_slots), len(self._waiting))
+            n = 0
+            for req in self._waiting[: len(self._free_slots)]:
+                take, need = self._admission_blocks(req)
+                if need > free:
+                    break  # first come, first served: the rest wait behind it
+                free -= take
+                n += 1
             new, self._waiting = self._waiting[:n], self._waiting[n:]
         if not new:
             return
@@ -592,24 +625,72 @@ class Engine:
             return
         # A retracted request is prefilled again with its tokens so far (SGLang's retract).
         prompts = [r.input_ids + r.output_ids if r.output_ids else r.input_ids for r in admitted]
-        logits = self.runner.prefill([r.slot for r in admitted], prompts)
+        slots = [r.slot for r in admitted]
+        self.runner.allocate(slots, [len(p) for p in prompts])
+        logits = self.runner.prefill(slots, prompts)
         self._running.extend(admitted)
         self._running.sort(key=lambda r: r.slot)
         self._batch_params = None
         self._append_tokens(admitted, logits, self._sampling_params(admitted))
 
-    def _retract_running(self) -> int:
-        retracted = list(self._running)
-        for req in retracted:
+    def _admission_blocks(self, req: EngineRequest) -> tuple[int, int]:
+        """KV blocks a waiting request takes at admission (its prompt and any tokens so far), and the
+        free blocks it needs to be admitted: one more, for its first decode steps, but never more
+        than its longest possible sequence takes, so a request the pool can hold alone is always
+        admitted into an idle engine. (0, 0) for one that finishes at admission without a prefill."""
+        n_in, n_out = len(req.input_ids), len(req.output_ids)
+        max_output = req._max_output if req.retractions else min(req.max_new_tokens, self.context_length - n_in)
+        if max_output <= n_out:
+            return 0, 0
+        take = self.runner.blocks_for(n_in + n_out)
+        # The last output token is never written to the cache.
+        return take, min(take + 1, self.runner.blocks_for(n_in + max_output - 1))
+
+    def _send_back(self, reqs: list[EngineRequest]) -> None:
+        """Return running requests to the front of the queue, in the given order, freeing their
+        slots and blocks; admitted again, they are prefilled with their tokens so far."""
+        gone = {id(r) for r in reqs}
+        self._running = [r for r in self._running if id(r) not in gone]  # stays sorted by slot
+        for req in reqs:
+            self.runner.free(req.slot)
             self._free_slots.append(req.slot)
             req.slot = None
             req.retractions += 1
         self._free_slots.sort()
-        self._running = []
         self._batch_params = None
         with self._cond:
-            self._waiting = retracted + self._waiting
+            self._waiting = list(reqs) + self._waiting
+
+    def _retract_running(self) -> int:
+        retracted = list(self._running)
+        self._send_back(retracted)
         return len(retracted)
+
+    def _retract_decode(self, growing: list[EngineRequest]) -> None:
+        """SGLang's retract-decode (``retraction_policy`` ``length``): while the pool has fewer free
+        blocks than the requests in ``growing`` need for this step, send back the running request
+        with the fewest output tokens (then the longest prompt): the least work to redo. At least
+        one request keeps running; one that alone cannot grow is aborted, as SGLang does."""
+        runner = self.runner
+        needs = {id(r) for r in growing}
+        short = len(growing) - runner.free_blocks
+        keep = sorted(self._running, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
+        retracted = []
+        while short > 0 and len(keep) > 1:
+            req = keep.pop()
+            short -= len(runner.slot_blocks(req.slot)) + (id(req) in needs)
+            retracted.append(req)
+        if retracted:
+            retracted.sort(key=lambda r: r.created_at)  # back in arrival order
+            self._send_back(retracted)
+            self.decode_retractions += len(retracted)
+            logger.info("KV pool full: retracted %d request(s) to the queue (%d running, %d of %d blocks free).",
+                        len(retracted), len(self._running), runner.free_blocks, runner.num_blocks)
+        if short > 0:
+            last = keep[0]
+            self._finish(last, {"type": "abort", "status_code": 500, "err_type": None, "message":
+                                "Out of memory even after retracting all other requests in the decode batch: "
+                                f"the KV pool has {runner.num_blocks} blocks of {runner.page_size} tokens."})
 
     @torch.inference_mode()
     def _input_logprobs(self, req: EngineRequest) -> None:
@@ -648,15 +729,24 @@ class Engine:
         )
 
     def _decode_step(self) -> None:
+        page = self.runner.page_size
+        positions = [len(r.input_ids) + len(r.output_ids) - 1 for r in self._running]
+        # A request whose new token starts a page needs a block for it first.
+        growing = [r for r, p in zip(self._running, positions) if p % page == 0]
+        if growing:
+            if len(growing) > self.runner.free_blocks:
+                self._retract_decode(growing)
+                if not self._running:
+                    return
+                positions = [len(r.input_ids) + len(r.output_ids) - 1 for r in self._running]
+                growing = [r for r, p in zip(self._running, positions) if p % page == 0]
+            self.runner.allocate([r.slot for r in growing],
+                                 [len(r.input_ids) + len(r.output_ids) for r in growing])
         batch = self._running  # sorted by slot
         if self._batch_params is None:
             self._batch_params = self._sampling_params(batch)
         params = self._batch_params
-        logits = self.runner.decode(
-            params[0],
-            [r.output_ids[-1] for r in batch],
-            [len(r.input_ids) + len(r.output_ids) - 1 for r in batch],
-        )
+        logits = self.runner.decode(params[0], [r.output_ids[-1] for r in batch], positions)
         self.steps += 1
         self._append_tokens(list(batch), logits, params)
 
@@ -746,8 +836,9 @@ class Engine:
                 self._batch_params = None
                 break
         if req.slot is not None:
+            self.runner.free(req.slot)
             self._free_slots.append(req.slot)
-            self._free_slots.sort()  # lowest slots first keeps the batch contiguous (cache views)
+            self._free_slots.sort()  # lowest slots first keeps the batch contiguous (the pool read as a view)
             req.slot = None
         req.finish_reason, req.error, req.finished_at = reason, error, time.monotonic()
         if req.on_finish is not None:

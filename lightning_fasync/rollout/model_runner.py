@@ -1,22 +1,28 @@
-"""A lean forward pass for Llama-family causal LMs (Llama, Qwen2, Qwen3, Mistral) over a slot KV cache.
+"""A lean forward pass for Llama-family causal LMs (Llama, Qwen2, Qwen3, Mistral) over a paged KV cache.
 
 The runner reads the Hugging Face model's own parameters (fused copies of q|k|v and gate|up are
 rebuilt after every weight update), and its numerics match the HF forward (the log-prob equality
-test checks this). What it replaces is the bookkeeping around attention: each running request owns
-one *slot* of a preallocated cache ``[slots, kv_heads, context, head_dim]`` per layer, so a decode
-step is one batched forward over exactly the running requests, with no padding to a common prompt
-length and no cache re-allocation. On a small model a decode step is dominated by per-op overhead,
-so the step is written to issue few ops:
+test checks this). What it replaces is the bookkeeping around attention. The KV cache is a pool of
+fixed-size blocks (pages of ``page_size`` tokens) shared by all requests, as in SGLang: its size
+comes from a memory budget (``--mem-fraction-static``, ``--max-total-tokens``; see
+:func:`plan_kv_pool`), each running request holds a *slot* (a row of the block table, the list of
+its blocks) and blocks are handed to it as it grows and returned when it leaves, so memory follows
+live tokens instead of ``slots x context``. A decode step is one batched forward over exactly the
+running requests, with no padding to a common prompt length and no cache re-allocation. On a small
+model a decode step is dominated by per-op overhead, so the step is written to issue few ops:
 
-* per-step tensors (slots, tokens and positions in one conversion, cache rows, the attention mask,
-  RoPE rows) are built once and shared by every layer;
+* per-step tensors (slots, tokens, positions and the new tokens' cache rows in one conversion, the
+  block-gather index, the attention mask, RoPE rows) are built once and shared by every layer;
+* the blocks of the batch are read with one ``index_select`` per layer for K and for V, whole
+  pages at a time (``[kv_heads * blocks, page_size * head_dim]`` rows), landing as the padded
+  ``[batch * kv_heads, span, head_dim]`` the attention reads;
 * weights are fused (q|k|v, gate|up) and pre-transposed once; in float32 each decoder layer's
   RMSNorm weights are folded into the matrix after them, and (no per-head q/k norm) the attention
   scale into W_q; in other dtypes q/k/v and gate/up are views of the fused matrices;
 * RoPE is one complex multiply (q/k features stored pair-interleaved, see ``__init__``), else
   ``roll`` + ``addcmul`` with the sign folded into the sin table;
 * attention is ``baddbmm`` (mask broadcast over the query heads of a kv group) + ``softmax`` +
-  ``bmm`` over the padded per-slot cache, without repeating kv heads; residual adds ride in
+  ``bmm`` over the gathered blocks, without repeating kv heads; residual adds ride in
   ``addmm``;
 * prefill runs the last layer's attention, output projection and MLP on each prompt's last
   position only (the others only feed the KV cache, already written).
@@ -24,7 +30,9 @@ so the step is written to issue few ops:
 
 from __future__ import annotations
 
+import heapq
 import re
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
@@ -32,6 +40,15 @@ import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 PREFILL_MAX_TOKENS = 8192  # padded tokens per batched prefill forward
+# Tokens per KV block. SGLang defaults to 1 (its kernels read token by token); the embedded engine
+# gathers whole blocks with one index_select per layer, which copies rows of page_size x head_dim
+# at memory speed, at the cost of at most page_size - 1 masked positions per request.
+DEFAULT_PAGE_SIZE = 16
+# --mem-fraction-static when not given. CPU: weights + KV pool may take 40 % of the memory available
+# at start, leaving the rest to the trainer and the activations on the same machine. CUDA: SGLang's
+# rule without CUDA graphs, (total - reserved) / total, reserving ~3.6 GiB (10 GiB on > 60 GiB devices).
+CPU_MEM_FRACTION_STATIC = 0.4
+_CUDA_RESERVED_BYTES, _CUDA_RESERVED_LARGE_BYTES = int(3.6 * 2**30), 10 * 2**30
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder layer's parameter
 
 
@@ -48,56 +65,183 @@ def _linear_residual(x: torch.Tensor, a: torch.Tensor, linear: Any) -> torch.Ten
 
 
 class KVCacheTooLargeError(ValueError):
-    """The preallocated KV cache would not fit in the device's free memory."""
+    """The KV pool and the weights do not fit the memory budget, or the pool cannot hold one request."""
 
 
 def _available_bytes(device: torch.device) -> Optional[int]:
-    """Free memory on ``device``: CUDA's free bytes, or the host's MemAvailable; None if unknown."""
+    """Free memory on ``device``: CUDA's free bytes, or the host's MemAvailable (capped by a cgroup
+    v2 memory limit, as in a container); None if unknown."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit != "max" and available is not None:
+            available = min(available, max(int(limit) - current, 0))
+    except (OSError, ValueError):
         pass
-    return None
+    return available
 
 
-def check_kv_cache_fits(shape: tuple[int, int, int, int], layers: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, with the numbers, a KV cache (K and V per layer, ``shape`` each) larger than 90 % of
-    the free memory, instead of letting the kernel kill the server minutes later.
+def default_mem_fraction_static(device: torch.device) -> float:
+    """``--mem-fraction-static`` when not given (see ``CPU_MEM_FRACTION_STATIC``)."""
+    if device.type != "cuda":
+        return CPU_MEM_FRACTION_STATIC
+    total = torch.cuda.mem_get_info(device)[1]
+    reserved = _CUDA_RESERVED_LARGE_BYTES if total > 60 * 2**30 else _CUDA_RESERVED_BYTES
+    return max(round((total - reserved) / total, 3), 0.1)
+
+
+@dataclass(frozen=True)
+class KVPoolPlan:
+    """The KV pool's size, and the budget it was sized from (bytes; None where unknown)."""
+
+    page_size: int
+    num_blocks: int  # whole requests of context_length: a multiple of ceil(context_length / page_size)
+    bytes_per_token: int  # K and V of one token over all layers
+    weight_bytes: int
+    available_bytes: Optional[int]  # the device's memory available to weights + pool at start
+    budget_bytes: Optional[int]  # mem_fraction_static x available_bytes
+    mem_fraction_static: float
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_blocks * self.page_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.max_total_tokens * self.bytes_per_token
+
+
+def plan_kv_pool(
+    *,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    weight_bytes: int,
+    available_bytes: Optional[int],
+    max_slots: int,
+    context_length: int,
+    device_type: str = "cpu",
+    page_size: Optional[int] = None,
+    max_total_tokens: Optional[int] = None,
+    mem_fraction_static: float = CPU_MEM_FRACTION_STATIC,
+) -> KVPoolPlan:
+    """Size the KV pool from a memory budget, as SGLang does.
+
+    The budget is ``mem_fraction_static`` of the memory available to weights + pool (the device's
+    free memory, on CPU MemAvailable, measured with the weights loaded, plus the weights): the
+    weights take their share and the pool the rest, but never more tokens than ``max_slots``
+    requests of ``context_length`` tokens hold (without a prefix cache no request could use them).
+    ``max_total_tokens`` (SGLang's ``--max-total-tokens``) sets the pool's size in tokens instead;
+    it must fit the budget with the weights (SGLang would shrink it to the budget with a warning;
+    here a CPU server would be killed by the kernel instead, so the mismatch is refused). The size
+    is rounded down to whole requests of ``context_length`` tokens (in pages): the pool is laid out
+    as such regions, so that a batch of requests holding their own region's blocks reads the pool
+    as a view (see ``ModelRunner._init_pool``).
+
+    Args:
+        available_bytes: None when unknown: no budget, the pool is ``max_total_tokens`` or the
+            ``max_slots x context_length`` cap.
 
     Raises:
-        KVCacheTooLargeError: naming ``--max-running-requests`` and ``--context-length``.
+        KVCacheTooLargeError: the weights alone exceed the budget, ``max_total_tokens`` does not fit
+            it, or the pool cannot hold one request of ``context_length`` tokens; the message
+            names the flags and the numbers.
+        ValueError: a non-positive size or a fraction outside (0, 1].
     """
-    slots, kv_heads, context, head_dim = shape
-    need = 2 * layers * slots * kv_heads * context * head_dim * torch.empty((), dtype=dtype).element_size()
-    free = _available_bytes(device)
-    if free is not None and need > 0.9 * free:
+    page_size = DEFAULT_PAGE_SIZE if page_size is None else page_size
+    if page_size < 1:
+        raise ValueError(f"--page-size is {page_size}; it must be at least 1.")
+    if max_total_tokens is not None and max_total_tokens < 1:
+        raise ValueError(f"--max-total-tokens is {max_total_tokens}; it must be at least 1.")
+    if not 0 < mem_fraction_static <= 1:
+        raise ValueError(f"--mem-fraction-static is {mem_fraction_static}; it must be in (0, 1].")
+    per_token = 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    dtype_name = str(dtype).replace("torch.", "")
+    gib = 2**30
+    budget = None if available_bytes is None else int(mem_fraction_static * available_bytes)
+    budget_words = (f"the memory budget of {(budget or 0) / gib:.2f} GiB (--mem-fraction-static {mem_fraction_static} "
+                    f"x {(available_bytes or 0) / gib:.2f} GiB of {device_type} memory available to weights and cache)")
+    per_token_words = (f"{per_token} bytes per token: {layers} layers x 2 (K, V) x {kv_heads} kv heads x {head_dim} "
+                       f"x {dtype_name}")
+    one_request = -(-context_length // page_size) * page_size
+    if max_total_tokens is not None:
+        tokens = max_total_tokens // page_size * page_size
+        if budget is not None and weight_bytes + tokens * per_token > budget:
+            raise KVCacheTooLargeError(
+                f"A KV pool of --max-total-tokens {max_total_tokens} takes {tokens * per_token / gib:.2f} GiB "
+                f"({per_token_words}), which with the weights' {weight_bytes / gib:.2f} GiB exceeds {budget_words}; "
+                "lower --max-total-tokens or raise --mem-fraction-static."
+            )
+        source = f"--max-total-tokens {max_total_tokens}"
+    else:
+        cap = max_slots * one_request
+        tokens = cap
+        source = f"--max-running-requests {max_slots} x --context-length {context_length}"
+        if budget is not None:
+            room = budget - weight_bytes
+            if room <= 0:
+                raise KVCacheTooLargeError(
+                    f"The weights take {weight_bytes / gib:.2f} GiB, which leaves nothing of {budget_words} for "
+                    "the KV cache; raise --mem-fraction-static or free memory."
+                )
+            if room // per_token < cap:
+                tokens = room // per_token // page_size * page_size
+                source = (f"the {room / gib:.2f} GiB that the weights' {weight_bytes / gib:.2f} GiB leave of "
+                          f"{budget_words}, at {per_token_words}")
+    if tokens < one_request:
         raise KVCacheTooLargeError(
-            f"The KV cache needs {need / 2**30:.1f} GiB ({slots} slots (--max-running-requests) x {context} tokens "
-            f"(--context-length) x {layers} layers x 2 (K, V) x {kv_heads} kv heads x {head_dim} x "
-            f"{str(dtype).replace('torch.', '')}), but {device.type} has {free / 2**30:.1f} GiB free; lower "
-            "--max-running-requests or --context-length."
+            f"The KV pool holds {tokens} tokens ({source}), fewer than the {one_request} tokens one request of "
+            f"--context-length {context_length} takes in pages of --page-size {page_size}; raise "
+            "--mem-fraction-static or --max-total-tokens, or lower --context-length."
         )
+    return KVPoolPlan(page_size=page_size, num_blocks=tokens // one_request * (one_request // page_size),
+                      bytes_per_token=per_token,
+                      weight_bytes=weight_bytes, available_bytes=available_bytes, budget_bytes=budget,
+                      mem_fraction_static=mem_fraction_static)
 
 
 class ModelRunner:
-    """Runs batched prefill and batched decode for one model over a slot KV cache.
+    """Runs batched prefill and batched decode for one model over a paged KV cache.
+
+    The pool holds ``num_blocks`` blocks of ``page_size`` tokens. A request's *slot* is its row of
+    the block table; the caller (the engine's scheduler) hands blocks to a slot with
+    :meth:`allocate` before the forward that writes them, and takes them back with :meth:`free`.
+    Blocks are zeroed when handed out, so a masked position never reads another request's leftovers
+    (NaN or inf, if a model ever wrote one) instead of zeros.
 
     Args:
         model: A Hugging Face ``*ForCausalLM`` of a supported architecture.
-        max_slots: Number of cache slots (the engine's ``max_running_requests``).
-        context_length: Tokens per slot (prompt + response).
+        max_slots: Rows of the block table (the engine's ``max_running_requests``).
+        context_length: Tokens per request at most (prompt + response).
+        page_size: Tokens per block (SGLang's ``--page-size``); default ``DEFAULT_PAGE_SIZE``.
+        max_total_tokens: The pool's size in tokens (SGLang's ``--max-total-tokens``); default: from
+            the memory budget (see :func:`plan_kv_pool`).
+        mem_fraction_static: Share of the memory available at start that weights + pool may take
+            (SGLang's ``--mem-fraction-static``); default :func:`default_mem_fraction_static`.
 
     Raises:
         UnsupportedModelError: The architecture is not in ``SUPPORTED_MODEL_TYPES`` or uses
             sliding-window attention.
+        KVCacheTooLargeError: The configuration does not fit the memory budget or cannot hold one
+            request of ``context_length`` tokens.
     """
 
-    def __init__(self, model: Any, max_slots: int, context_length: int) -> None:
+    def __init__(self, model: Any, max_slots: int, context_length: int, *, page_size: Optional[int] = None,
+                 max_total_tokens: Optional[int] = None, mem_fraction_static: Optional[float] = None) -> None:
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -126,10 +270,6 @@ class ModelRunner:
         self.context_length = context_length
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = (max_slots, self.num_kv_heads, context_length, self.head_dim)
-        check_kv_cache_fits(shape, len(self.layers), self.dtype, self.device)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self._arange = torch.arange(context_length, device=self.device)
         self._fold = self.dtype == torch.float32
         self._eps_t = torch.tensor(self.eps, dtype=self.dtype, device=self.device)
@@ -158,13 +298,162 @@ class ModelRunner:
             heads = self.num_heads + self.num_kv_heads
             self._qk_perm = (torch.arange(heads).unsqueeze(1) * self.head_dim + pairs).reshape(-1).to(self.device)
         self._attn_scale = 1.0 if self._complex_rope else self.scale
-        # Cache views the decode step uses: rows for index_copy_, and [slots * kv_heads, context, d].
-        self._k_flat = [c.view(-1, self.head_dim) for c in self.k_cache]
-        self._v_flat = [c.view(-1, self.head_dim) for c in self.v_cache]
-        self._k_rows = [c.view(-1, context_length, self.head_dim) for c in self.k_cache]
-        self._v_rows = [c.view(-1, context_length, self.head_dim) for c in self.v_cache]
         self._weight_bytes: dict[int, tuple[Any, int]] = {}  # released parameter storages -> their bytes
         self.refresh_weights()
+        # The pool is sized after the fused weight copies exist: they are part of the weights' share.
+        if mem_fraction_static is None:
+            mem_fraction_static = default_mem_fraction_static(self.device)
+        weights = self.memory_bytes(kv=False)["weights"]
+        free = _available_bytes(self.device)
+        self.plan = plan_kv_pool(
+            layers=len(self.layers), kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype,
+            weight_bytes=weights, available_bytes=None if free is None else free + weights, max_slots=max_slots,
+            context_length=context_length, device_type=self.device.type, page_size=page_size,
+            max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static)
+        self._init_pool()
+
+    def _init_pool(self) -> None:
+        """Allocate the block pool, the block table and the views the forward passes use.
+
+        The pool is laid out as ``regions`` slot-sized regions ``[kv_heads, blocks_per_request *
+        page, d]`` (``[regions, kv_heads, blocks_per_request, page, d]`` per layer): block ``B`` is
+        page ``B % M`` of region ``B // M`` (``M = blocks_per_request``), and its page for kv head
+        ``h`` is row ``(B // M * kv_heads + h) * M + B % M`` of the pool viewed as pages. Slot
+        ``s < regions`` has region ``s`` as its *home*: its blocks come from there while they are
+        free, and a batch of slots ``0..B-1`` that all hold only home blocks is read as a view of the
+        pool, as a slot cache would be, with no gather (the common case when the pool is not short).
+        Otherwise blocks come from anywhere (highest free first, away from the low slots' homes)
+        and decode gathers the batch's pages.
+        """
+        self.page_size = p = self.plan.page_size
+        kvh, d = self.num_kv_heads, self.head_dim
+        self.num_blocks = self.plan.num_blocks
+        self.max_blocks_per_request = m = -(-self.context_length // p)
+        self.regions = self.num_blocks // m
+        # One tensor for K and V of every layer: handed-out blocks are zeroed with one op.
+        self.kv_pool = torch.zeros((2, len(self.layers), self.regions, kvh, m, p, d), dtype=self.dtype,
+                                   device=self.device)
+        self.k_cache = list(self.kv_pool[0].unbind(0))  # per layer [regions, kv_heads, blocks, page, d]
+        self.v_cache = list(self.kv_pool[1].unbind(0))
+        # Token rows for index_copy_ ([regions * kv_heads * blocks * page, d]), pages for the gather
+        # ([regions * kv_heads * blocks, page * d]), and regions as slots ([regions * kv_heads, m * page, d]).
+        self._k_flat = [c.view(-1, d) for c in self.k_cache]
+        self._v_flat = [c.view(-1, d) for c in self.v_cache]
+        self._k_pages = [c.view(-1, p * d) for c in self.k_cache]
+        self._v_pages = [c.view(-1, p * d) for c in self.v_cache]
+        self._k_regions = [c.view(-1, m * p, d) for c in self.k_cache]
+        self._v_regions = [c.view(-1, m * p, d) for c in self.v_cache]
+        self._pool_pages = self.kv_pool.view(2 * len(self.layers), -1, p * d)
+        # Per slot and block column: the page row of kv head 0 (head h: + h * M). Columns past a
+        # request's blocks repeat its first block: a finite, masked stand-in for the gather.
+        self.block_table = torch.zeros((self.max_slots, m), dtype=torch.long, device=self.device)
+        self._slot_blocks: list[list[int]] = [[] for _ in range(self.max_slots)]  # block ids
+        self._slot_rows: list[list[int]] = [[] for _ in range(self.max_slots)]  # their head-0 page rows
+        self._stray = [False] * self.max_slots  # holds a block outside its home region
+        self._strays = 0
+        self._free = set(range(self.num_blocks))
+        self._free_heap = [-b for b in range(self.num_blocks)]  # max-heap, lazily pruned against _free
+        heapq.heapify(self._free_heap)
+        self._head_pages = (torch.arange(kvh, device=self.device) * m).view(1, kvh, 1)
+        self._head_rows = (torch.arange(kvh, device=self.device) * (m * p)).view(1, kvh)
+        self._span_arange = torch.arange(m * p, device=self.device)
+
+    # ---------------------------------------------------------------- block accounting
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks not held by any request."""
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The pool's capacity in tokens (SGLang's ``max_total_num_tokens``)."""
+        return self.num_blocks * self.page_size
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that ``tokens`` cached tokens take."""
+        return -(-tokens // self.page_size)
+
+    def slot_blocks(self, slot: int) -> list[int]:
+        """The blocks ``slot`` holds, in position order (a copy)."""
+        return list(self._slot_blocks[slot])
+
+    def _page_row(self, block: int) -> int:
+        m = self.max_blocks_per_request
+        return block // m * self.num_kv_heads * m + block % m
+
+    def _take(self, slot: int, column: int) -> int:
+        """A free block for ``slot``'s block ``column``: its home block if free, else the highest."""
+        if slot < self.regions:
+            home = slot * self.max_blocks_per_request + column
+            if home in self._free:
+                self._free.discard(home)
+                return home
+        while True:
+            block = -heapq.heappop(self._free_heap)
+            if block in self._free:
+                self._free.discard(block)
+                if not self._stray[slot]:
+                    self._stray[slot] = True
+                    self._strays += 1
+                return block
+
+    def allocate(self, slots: list[int], tokens: list[int]) -> None:
+        """Grow each slot's blocks to hold ``tokens[i]`` cached tokens: blocks are taken from the free
+        ones (see ``_init_pool``), zeroed and entered in the block table, all slots in one batch.
+
+        Raises:
+            RuntimeError: fewer free blocks than needed (the scheduler checks before calling).
+        """
+        grants: list[tuple[int, int]] = []  # (slot, blocks to add)
+        total = 0
+        for slot, n in zip(slots, tokens):
+            need = -(-n // self.page_size) - len(self._slot_blocks[slot])
+            if need > 0:
+                grants.append((slot, need))
+                total += need
+        if not total:
+            return
+        if total > len(self._free):
+            raise RuntimeError(f"The KV pool has {len(self._free)} free blocks; {total} were asked for.")
+        rows, cols, pages = [], [], []
+        for slot, need in grants:
+            held, held_rows = self._slot_blocks[slot], self._slot_rows[slot]
+            first = not held
+            for _ in range(need):
+                block = self._take(slot, len(held))
+                row = self._page_row(block)
+                rows.append(slot)
+                cols.append(len(held))
+                pages.append(row)
+                held.append(block)
+                held_rows.append(row)
+            if first:  # a new request: its first block stands in for the columns it does not hold
+                self.block_table[slot].fill_(held_rows[0])
+        rows_t, cols_t, pages_t = torch.tensor([rows, cols, pages], dtype=torch.long, device=self.device)
+        self.block_table.index_put_((rows_t, cols_t), pages_t)
+        heads = pages_t if self.num_kv_heads == 1 else (pages_t.unsqueeze(1) + self._head_pages.view(1, -1)).view(-1)
+        self._pool_pages.index_fill_(1, heads, 0)
+
+    def free(self, slot: int) -> None:
+        """Return ``slot``'s blocks to the pool."""
+        held = self._slot_blocks[slot]
+        if not held:
+            return
+        for block in held:
+            self._free.add(block)
+            heapq.heappush(self._free_heap, -block)
+        if len(self._free_heap) > 2 * len(self._free) + 64:  # home takes leave stale entries behind
+            self._free_heap = [-b for b in self._free]
+            heapq.heapify(self._free_heap)
+        self._slot_blocks[slot], self._slot_rows[slot] = [], []
+        if self._stray[slot]:
+            self._stray[slot] = False
+            self._strays -= 1
 
     @torch.no_grad()
     def _build_rope_tables(self, rotary: Any) -> None:
@@ -323,13 +612,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
-        """Run prompts into their slots' caches (positions ``0..len-1``), batched.
+        """Run prompts into their slots' blocks (positions ``0..len-1``), batched.
 
         Prompts are right-padded: a valid query never attends a padded key (those sit after it), so
-        the plain causal mask is exact for every real token; padded positions are overwritten later.
+        the plain causal mask is exact for every real token; only real tokens are written to the pool.
 
         Args:
-            slots: Each request's cache slot.
+            slots: Each request's slot, holding blocks for its prompt (:meth:`allocate`).
             prompts: Each request's prompt, ``1 <= len <= context_length``.
 
         Returns:
@@ -349,8 +638,20 @@ class ModelRunner:
     def _prefill_chunk(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         b, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        n, d = b * width, self.head_dim
+        n, d, page = b * width, self.head_dim, self.page_size
+        # Pool row of every real token (kv head 0: page row * page + offset), and its row in the
+        # padded batch.
+        locs: list[int] = []
+        for slot, p in zip(slots, prompts):
+            rows = self._slot_rows[slot]
+            locs.extend(rows[t // page] * page + t % page for t in range(len(p)))
+        loc_t = torch.tensor(locs, dtype=torch.long, device=self.device)
+        if self.num_kv_heads > 1:
+            loc_t = (loc_t.unsqueeze(1) + self._head_rows).view(-1)
+        real = None
+        if len(locs) < n:
+            real = torch.tensor([r * width + t for r, p in enumerate(prompts) for t in range(len(p))],
+                                dtype=torch.long, device=self.device)
         if self._complex_rope:
             cos, sin = self._cis[:width].repeat(b, 1).view(n, 1, -1), None
         else:
@@ -361,11 +662,12 @@ class ModelRunner:
         x = F.embedding(ids.view(-1), self.embed.weight)
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(i, self._norm(layer.input_layernorm, x), cos, sin)
+            k_real, v_real = (k, v) if real is None else (k.index_select(0, real), v.index_select(0, real))
+            self._k_flat[i].index_copy_(0, loc_t, k_real.reshape(-1, d))
+            self._v_flat[i].index_copy_(0, loc_t, v_real.reshape(-1, d))
             q = q.view(b, width, self.num_heads, d).transpose(1, 2)
             k = k.view(b, width, self.num_kv_heads, d).transpose(1, 2)
             v = v.view(b, width, self.num_kv_heads, d).transpose(1, 2)
-            self.k_cache[i][slot_t, :, :width] = k
-            self.v_cache[i][slot_t, :, :width] = v
             if i < len(self.layers) - 1:
                 attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self._attn_scale, enable_gqa=True)
                 attn = attn.transpose(1, 2).reshape(n, -1)
@@ -386,26 +688,40 @@ class ModelRunner:
         """One decode step for a batch of running requests.
 
         Written for few Python-level torch calls: on a small model a decode step is mostly per-op
-        overhead, so per-step tensors (positions, cache rows, mask, RoPE rows) are built once and
-        shared by all layers, weights are pre-transposed views, and residual adds ride in addmm.
+        overhead, so per-step tensors (positions, the new tokens' pool rows, the block-gather index,
+        mask, RoPE rows) are built once and shared by all layers, weights are pre-transposed views,
+        and residual adds ride in addmm.
 
         Args:
-            slots: Each request's cache slot.
+            slots: Each request's slot, sorted; it holds a block for ``positions[i]`` (:meth:`allocate`).
             tokens: Each request's last sampled token (not yet in the cache).
             positions: Each token's position (= tokens already cached for that request).
 
         Returns:
             Next-token logits ``[batch, vocab]`` (float32).
         """
-        b, kvh, d, nh = len(slots), self.num_kv_heads, self.head_dim, self.num_heads
+        b, kvh, d, nh, page = len(slots), self.num_kv_heads, self.head_dim, self.num_heads, self.page_size
         nqk = nh + kvh
-        slot_t, ids, pos_t = torch.tensor([slots, tokens, positions], dtype=torch.long, device=self.device)
+        held = self._slot_rows
+        locs = [held[s][p // page] * page + p % page for s, p in zip(slots, positions)]
+        slot_t, ids, pos_t, loc_t = torch.tensor([slots, tokens, positions, locs], dtype=torch.long,
+                                                 device=self.device)
         span = max(positions) + 1
-        # Contiguous slots 0..B-1 (the common case) read the cache as a view instead of a gather.
+        # Slots 0..B-1 all holding only blocks of their home regions (the common case when the pool
+        # is not short) read the pool as a slot cache, a view; any other batch gathers its pages.
         contiguous = slots[0] == 0 and slots[-1] == b - 1 and slots == list(range(b))
-        # Additive mask over the cached span, one row per request (and kv head): own positions only.
+        pages = None
+        if not (contiguous and self._strays == 0):
+            blocks = (span - 1) // page + 1
+            span = blocks * page  # whole pages
+            table = self.block_table[:b, :blocks] if contiguous else self.block_table.index_select(0, slot_t)[:, :blocks]
+            # Page rows to gather, request-major then kv head then block: the gathered pages are the
+            # [b * kv_heads, span, d] the attention reads, with no transpose. Columns past a
+            # request's blocks repeat its first block (masked).
+            pages = table.reshape(-1) if kvh == 1 else (table.unsqueeze(1) + self._head_pages).view(-1)
+        # Additive mask over the gathered span, one row per request (and kv head): own positions only.
         # baddbmm broadcasts it over the query heads of the group.
-        bias = torch.where(self._arange[:span] > pos_t.unsqueeze(1), self._neg_inf, self._zero).unsqueeze(1)
+        bias = torch.where(self._span_arange[:span] > pos_t.unsqueeze(1), self._neg_inf, self._zero).unsqueeze(1)
         if kvh > 1:
             bias = bias.expand(b, kvh, span).reshape(b * kvh, 1, span)
         if self._complex_rope:
@@ -413,13 +729,9 @@ class ModelRunner:
         else:
             cos_sin = self._rope.index_select(0, pos_t)  # [b, 2, d]
             cos, sin = cos_sin[:, :1], cos_sin[:, 1:]
-        # Row of (slot, kv head, position) in the cache viewed as [slots * kv_heads * context, d]:
-        # one index_copy_ per cache and layer, cheaper than a two-index index_put.
-        if kvh == 1:
-            rows = torch.add(pos_t, slot_t, alpha=self.context_length)
-        else:
-            heads = torch.arange(kvh, device=self.device)
-            rows = ((slot_t.unsqueeze(1) * kvh + heads) * self.context_length + pos_t.unsqueeze(1)).view(-1)
+        # Row of (kv head, block, offset) in the pool viewed as token rows [..., d]: one index_copy_
+        # per cache and layer, cheaper than a multi-index index_put.
+        rows = loc_t if kvh == 1 else (loc_t.unsqueeze(1) + self._head_rows).view(-1)
         qwen3 = self._qk_norm
         x = F.embedding(ids, self.embed.weight)
         for i, (qkv_t, qkv_b, o_t, o_b, gu_t, down_t, down_b) in enumerate(self._decode_w):
@@ -436,11 +748,11 @@ class ModelRunner:
                 qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
             self._k_flat[i].index_copy_(0, rows, qk[:, nh:].reshape(-1, d))
             self._v_flat[i].index_copy_(0, rows, qkv[:, nqk:].reshape(-1, d))
-            if contiguous:
-                keys, values = self._k_rows[i][: b * kvh, :span], self._v_rows[i][: b * kvh, :span]
+            if pages is None:
+                keys, values = self._k_regions[i][: b * kvh, :span], self._v_regions[i][: b * kvh, :span]
             else:
-                keys = self.k_cache[i][slot_t, :, :span].reshape(b * kvh, span, d)
-                values = self.v_cache[i][slot_t, :, :span].reshape(b * kvh, span, d)
+                keys = self._k_pages[i].index_select(0, pages).view(b * kvh, span, d)
+                values = self._v_pages[i].index_select(0, pages).view(b * kvh, span, d)
             # Query head h reads kv head h // group (HF's repeat_kv), so fold the group into rows.
             q = qk[:, :nh] if kvh == 1 else qk[:, :nh].reshape(b * kvh, self.group, d)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=self._attn_scale)
@@ -460,14 +772,17 @@ class ModelRunner:
     # the same on CPU and CUDA: shapes, strides and views (the cache views below) stay valid.
 
     def release_kv_cache(self) -> int:
-        """Free the KV cache's memory (its tensors keep their shapes); returns the bytes freed."""
-        return _free_storages(self.k_cache + self.v_cache, self.device)
+        """Free the KV pool's memory (its tensors keep their shapes; no request may hold blocks);
+        returns the bytes freed."""
+        if self.used_blocks:
+            raise RuntimeError(f"The KV pool cannot be released while requests hold {self.used_blocks} blocks.")
+        return _free_storages([self.kv_pool], self.device)
 
     def resume_kv_cache(self) -> None:
-        """Reallocate the KV cache released by :meth:`release_kv_cache`, zeroed (it holds no request)."""
-        for t in self.k_cache + self.v_cache:
-            t.untyped_storage().resize_(t.numel() * t.element_size())
-            t.zero_()
+        """Reallocate the KV pool released by :meth:`release_kv_cache`, zeroed (it holds no request)."""
+        t = self.kv_pool
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+        t.zero_()
 
     def release_weights(self) -> int:
         """Free the parameters' memory and the fused copies built from them; the parameters keep
@@ -506,10 +821,13 @@ class ModelRunner:
         self._weight_bytes = {}
         self.refresh_weights()
 
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes held now by the weights (parameters and their fused copies) and by the KV cache."""
-        return {"weights": _distinct_bytes([*self.model.parameters(), *self._derived_weights()]),
-                "kv_cache": _distinct_bytes(self.k_cache + self.v_cache)}
+    def memory_bytes(self, kv: bool = True) -> dict[str, int]:
+        """Bytes held now by the weights (parameters and their fused copies) and by the KV pool
+        (``kv=False``: the weights only, before the pool exists)."""
+        held = {"weights": _distinct_bytes([*self.model.parameters(), *self._derived_weights()])}
+        if kv:
+            held["kv_cache"] = _distinct_bytes([self.kv_pool])
+        return held
 
     def _derived_weights(self) -> list[torch.Tensor]:
         out = [t for fused in self._fused if fused is not None for t in fused if t is not None]

@@ -543,6 +543,10 @@ async def server_info(request: web.Request) -> web.Response:
             "pp_size": 1,
             "context_length": engine.context_length,
             "max_running_requests": engine.max_running_requests,
+            # The KV pool as sized at start (SGLang reports the resolved values of these arguments).
+            "mem_fraction_static": engine.runner.plan.mem_fraction_static,
+            "max_total_tokens": engine.runner.max_total_tokens,
+            "page_size": engine.runner.page_size,
             "allow_auto_truncate": engine.allow_auto_truncate,
             "weight_version": engine.weight_version,
             "skip_tokenizer_init": state["tokenizer"] is None,
@@ -587,16 +591,16 @@ async def health_generate(request: web.Request) -> web.Response:
 def _load_snapshot(engine: Any) -> dict[str, Any]:
     load = engine.loads()
     used = load["num_total_tokens"]
-    capacity = engine.max_running_requests * engine.context_length
+    capacity = load["max_total_num_tokens"]  # the paged KV pool's size in tokens
     return {
         "dp_rank": 0,
         "num_running_reqs": load["num_running_reqs"],
         "num_waiting_reqs": load["num_waiting_reqs"],
-        "num_used_tokens": used,
+        "num_used_tokens": load["kv_used_tokens"],
         "num_total_tokens": used,
         "max_total_num_tokens": capacity,
         "max_running_requests": engine.max_running_requests,
-        "token_usage": used / capacity if capacity else 0.0,
+        "token_usage": load["kv_used_tokens"] / capacity if capacity else 0.0,
         "paused": load["paused"],
         "weight_version": load["weight_version"],
     }
@@ -686,12 +690,19 @@ def build_app(
 
 def parse_args(argv: Optional[list[str]] = None) -> Namespace:
     p = ArgumentParser(prog="lightning-fasync serve", default_env=False, description="Serve one embedded rollout engine replica.")
-    p.add_argument("--model", required=True, help="Local Hugging Face model directory or a preset (tiny, qwen3-0.6b-shape).")
+    p.add_argument("--model", required=True, help="Local Hugging Face model directory or a preset (tiny, qwen3-30m-shape, qwen3-0.6b-shape).")
     p.add_argument("--port", type=int, required=True, help="Port to listen on.")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads.")
     p.add_argument("--max-running-requests", type=int, default=None, help="Requests decoded together at most.")
     p.add_argument("--context-length", type=int, default=None, help="Prompt + response tokens per request.")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="Share of the memory available at start (CUDA: free device memory; CPU: MemAvailable) "
+                        "that weights + KV pool may take (SGLang's flag; default 0.4 on CPU, SGLang's rule on CUDA).")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="The KV pool's size in tokens (SGLang's flag); default: from --mem-fraction-static, at most "
+                        "--max-running-requests x --context-length.")
+    p.add_argument("--page-size", type=int, default=None, help="Tokens per KV block (SGLang's flag; default 16).")
     p.add_argument("--api-key", default=os.environ.get("FASYNC_ENGINE_API_KEY"), help="Require 'Authorization: Bearer KEY'.")
     p.add_argument("--weight-version", default="default", help="Version label of the initial weights (SGLang's default).")
     p.add_argument("--served-model-name", default=None, help="Model name in /v1/models and OpenAI responses (default: --model).")
@@ -764,8 +775,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         engine = Engine(model, max_running_requests=args.max_running_requests, context_length=args.context_length,
                         weight_version=args.weight_version, allow_auto_truncate=args.allow_auto_truncate,
                         return_original_logprob=args.return_original_logprob,
-                        enable_memory_saver=args.enable_memory_saver)
-    except (KVCacheTooLargeError, UnsupportedModelError) as exc:  # a configuration to fix, not a crash
+                        enable_memory_saver=args.enable_memory_saver, page_size=args.page_size,
+                        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static)
+    except (KVCacheTooLargeError, UnsupportedModelError, ValueError) as exc:  # a configuration to fix, not a crash
         print(f"lightning-fasync serve: {exc}", file=sys.stderr)
         return 2
     app = build_app(engine, tokenizer, args.model, args.api_key, served_model_name=args.served_model_name,
@@ -783,6 +795,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     app.on_cleanup.append(on_cleanup)
     logger.info("Serving %s on http://%s:%d (threads=%d, max_running_requests=%d)", args.model, args.host, args.port,
                 args.threads, engine.max_running_requests)
+    usage = engine.memory_usage()
+    logger.info("KV pool: %d tokens (%d blocks of %d) in %.3f GB, weights %.3f GB, budget %.3f GB "
+                "(--mem-fraction-static %s of %.3f GB available)", usage["token_capacity"],
+                usage["kv_pool"]["total_blocks"], usage["kv_pool"]["page_size"], usage["kvcache"], usage["weight"],
+                (usage["kv_pool"]["budget_bytes"] or 0) / 2**30, usage["kv_pool"]["mem_fraction_static"],
+                usage["startup_available"])
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=5.0)
     if app[STATE_KEY].get("weight_groups") or app[STATE_KEY].get("weight_groups_abandoned"):
         # A weight-update group whose sender went away mid-broadcast cannot be destroyed, and its
