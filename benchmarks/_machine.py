@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from datetime import datetime
+from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,3 +30,45 @@ def git_state() -> tuple[str, bool]:
     except (OSError, subprocess.SubprocessError):
         return "", False
     return commit, dirty
+
+
+def record() -> dict[str, Any]:
+    """nproc, CPU model, load average now, date and git commit (with -dirty for a modified tree)."""
+    full, dirty = git_state()
+    return {
+        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "nproc": os.cpu_count() or 1,
+        "cpu_model": cpu_model() or "?",
+        "load_before": os.getloadavg(),
+        "commit": (full[:7] or "?") + ("-dirty" if dirty else ""),
+    }
+
+
+def check_load(info: dict[str, Any], limit_per_core: float = 0.5) -> Optional[str]:
+    """A warning (also printed to stderr) when the load average before the run exceeded
+    ``limit_per_core`` per core; None otherwise."""
+    per_core = info["load_before"][0] / info["nproc"]
+    if per_core > limit_per_core:
+        msg = (f"WARNING: load average {info['load_before'][0]:.2f} on {info['nproc']} cores ({per_core:.2f} per core) "
+               "before the benchmark started; wall-clock figures are suspect.")
+        print(msg, file=sys.stderr, flush=True)
+        return msg
+    return None
+
+
+def header(title: str, info: dict[str, Any], wall_s: float, warning: Optional[str]) -> str:
+    """The Markdown head of a results file: command, date, machine, load before and after, commit."""
+    la = lambda t: " / ".join(f"{x:.2f}" for x in t)  # noqa: E731
+    lines = [
+        f"# {title}",
+        "",
+        f"- command: `{info['command']}`",
+        f"- date: {info['date']}",
+        f"- machine: {info['nproc']} cores, {info['cpu_model']}",
+        f"- load average (1 / 5 / 15 min): before {la(info['load_before'])}, after {la(info['load_after'])}",
+        f"- git commit: {info['commit']}",
+        f"- total wall time: {'?' if wall_s != wall_s else f'{wall_s:.0f} s'}",
+    ]
+    if warning:
+        lines.append(f"- **{warning}**")
+    return "\n".join(lines) + "\n"

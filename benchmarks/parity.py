@@ -5,7 +5,7 @@ several seeds each, one run at a time and interleaved by seed (colocate s1, full
 colocate s2, ...) so that a drift in the machine's load touches both modes alike:
 
 - colocate: `--colocate=true --fully_async.enable=false --rollout.partial=false`;
-- fully-async (default): the config as it stands (windowed-fifo, stale_steps 1, partial rollout,
+- fully-async (default): the config as it stands (windowed-fifo, stale_steps 0, partial rollout,
   IS correction).
 
 Each run is seeded with `--seed_everything=SEED --data_source.seed=SEED`. From each run's
@@ -62,6 +62,10 @@ sys.path.insert(0, REPO)
 from lightning_fasync.pipeline.events import read_jsonl  # noqa: E402
 from lightning_fasync.plots import read_scalars  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _machine import check_load, header  # noqa: E402
+from _machine import record as machine  # noqa: E402
+
 BASELINE = "colocate"
 MODES: list[tuple[str, list[str]]] = [
     ("colocate", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"]),
@@ -81,52 +85,6 @@ COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 
 def slug(name: str) -> str:
     return re.sub(r"-+", "-", "".join(c if c.isalnum() else "-" for c in name)).strip("-").lower()
-
-
-# ---------------------------------------------------------------------------------------- machine
-
-
-def machine() -> dict[str, Any]:
-    """nproc, CPU model, load average, date and git commit (with -dirty for a modified tree)."""
-    from _machine import cpu_model, git_state
-
-    model = cpu_model() or "?"
-    full, dirty = git_state()
-    commit = (full[:7] or "?") + ("-dirty" if dirty else "")
-    return {
-        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
-        "nproc": os.cpu_count() or 1,
-        "cpu_model": model,
-        "load_before": os.getloadavg(),
-        "commit": commit,
-    }
-
-
-def check_load(info: dict[str, Any]) -> Optional[str]:
-    per_core = info["load_before"][0] / info["nproc"]
-    if per_core > 0.5:
-        msg = (f"WARNING: load average {info['load_before'][0]:.2f} on {info['nproc']} cores ({per_core:.2f} per core) "
-               "before the benchmark started; wall-clock figures are suspect.")
-        print(msg, file=sys.stderr, flush=True)
-        return msg
-    return None
-
-
-def header(title: str, info: dict[str, Any], wall_s: float, warning: Optional[str]) -> str:
-    la = lambda t: " / ".join(f"{x:.2f}" for x in t)  # noqa: E731
-    lines = [
-        f"# {title}",
-        "",
-        f"- command: `{info['command']}`",
-        f"- date: {info['date']}",
-        f"- machine: {info['nproc']} cores, {info['cpu_model']}",
-        f"- load average (1 / 5 / 15 min): before {la(info['load_before'])}, after {la(info['load_after'])}",
-        f"- git commit: {info['commit']}",
-        f"- total wall time: {'?' if wall_s != wall_s else f'{wall_s:.0f} s'}",
-    ]
-    if warning:
-        lines.append(f"- **{warning}**")
-    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------- one run

@@ -9,12 +9,14 @@ those kills lands inside a weight sync, the others mid-generation. It reports
   >= 90 % over the whole run);
 - for each kill: the time until the supervisor noticed (`engine_dead`), and until the replica
   served again with the trainer's weights (`engine_restarted`: restart and down time);
-- RSS, threads and open file descriptors of every process (trainer, each engine, router) after
-  warm-up and at the end (growth after warm-up < 5 %; no fd or thread leak in the trainer);
+- RSS, threads and open file descriptors of every process (trainer, each engine, router), sampled at
+  every step boundary: after warm-up against the end (growth after warm-up < 5 %; no fd or thread
+  leak in the trainer), and the RSS curve (`rss.png`);
 - the ledger audit: every prompt trained once, every drop with its reason.
 
     python benchmarks/soak.py                    # ~8 minutes on 2 cores
     python benchmarks/soak.py --steps 120 --every 40 --out /tmp/soak   # a shorter look
+    python benchmarks/soak.py --steps 300 --every 0    # memory alone: one fault-free run, RSS every step
 
 Raw output (per-step times, process samples, fault events, the summary) goes to
 `benchmarks/results/soak/<date>/` unless `--out` says otherwise.
@@ -39,7 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 B = 16
-SAMPLE_EVERY = 25
+SAMPLE_EVERY = 1  # process samples: RSS, threads and fds of every process at every step boundary
 WINDOW = 50
 
 
@@ -201,6 +203,32 @@ def _growth(samples: list[dict[str, Any]], role: str, key: str, warm_step: int) 
     return a, b, (b - a) / a * 100 if a else 0.0
 
 
+def plot_rss(runs: list[dict[str, Any]], png: str) -> str:
+    """RSS (MiB) of every process against the step, one panel per run; returns ``png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        roles = sorted({role for s in run["samples"] for role in s["procs"]})
+        for role in roles:
+            pts = [(s["step"], s["procs"][role]["rss_kb"] / 1024) for s in run["samples"] if "rss_kb" in s["procs"].get(role, {})]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=role, linewidth=1.2)
+        for k in run["kills"]:
+            ax.axvline(k["step"], color="grey", linestyle=":", linewidth=0.8)
+        ax.set_title(run["name"].replace("_", "-"))
+        ax.set_xlabel("rollout step")
+        ax.set_ylabel("RSS (MiB)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def _machine() -> dict[str, Any]:
     from _machine import cpu_model
 
@@ -215,31 +243,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         return child(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--every", type=int, default=100, help="kill a replica every this many steps")
+    parser.add_argument("--every", type=int, default=100, help="kill a replica every this many steps (0: no faulty run)")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "soak", time.strftime("%Y-%m-%d")))
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     machine = _machine()
-    kill_steps = list(range(args.every, args.steps, args.every))
+    kill_steps = list(range(args.every, args.steps, args.every)) if args.every > 0 else []
     # The middle kill lands inside a weight sync; the others during generation.
     sync_at = kill_steps[len(kill_steps) // 2] if kill_steps else None
     kills = ",".join(f"{s}:sync" if s == sync_at else f"{s}:mid" for s in kill_steps)
 
     base = _run("fault_free", args.out, args.steps, "")
-    faulty = _run("faulty", args.out, args.steps, kills)
+    faulty = _run("faulty", args.out, args.steps, kills) if kills else None  # --every 0: the fault-free run alone
+    runs = [base] if faulty is None else [base, faulty]
     machine["loadavg_after"] = os.getloadavg()
+    plot_rss(runs, os.path.join(args.out, "rss.png"))
 
     warm = min(WINDOW, args.steps // 4)
-    whole = (_rate(faulty["syncs"], warm, args.steps - 1), _rate(base["syncs"], warm, args.steps - 1))
+    whole = (_rate(faulty["syncs"], warm, args.steps - 1) if faulty else None, _rate(base["syncs"], warm, args.steps - 1))
     ratio = whole[0] / whole[1] if all(whole) else None
     windows = []
     for lo in range(0, args.steps - 1, WINDOW):
         hi = min(lo + WINDOW, args.steps - 1)
-        a, b = _rate(faulty["syncs"], lo, hi), _rate(base["syncs"], lo, hi)
+        a, b = _rate(faulty["syncs"], lo, hi) if faulty else None, _rate(base["syncs"], lo, hi)
         windows.append({"steps": f"{lo}-{hi}", "faulty": a, "fault_free": b, "ratio": a / b if a and b else None})
 
     recoveries = []
-    for k in faulty["kills"]:
+    for k in faulty["kills"] if faulty else []:
         dead = next((e for e in faulty["faults"] if e["event"] == "engine_dead" and e.get("wall", 0) >= k["wall"] - 0.01), None)
         back = next((e for e in faulty["faults"] if e["event"] == "engine_restarted" and e.get("wall", 0) >= k["wall"]), None)
         recoveries.append({
@@ -251,14 +281,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         })
 
     procs = {}
-    for run in (base, faulty):
+    for run in runs:
         roles = sorted({role for s in run["samples"] for role in s["procs"]})
         procs[run["name"]] = {role: {key: _growth(run["samples"], role, key, warm) for key in ("rss_kb", "threads", "fds")}
                               for role in roles}
-    audits = {run["name"]: _audit(run["ledger"], args.steps) for run in (base, faulty)}
+    audits = {run["name"]: _audit(run["ledger"], args.steps) for run in runs}
     summary = {"machine": machine, "steps": args.steps, "kills": kills, "steps_per_s": {"faulty": whole[0], "fault_free": whole[1]},
                "ratio": ratio, "windows": windows, "recoveries": recoveries, "processes": procs, "audit": audits,
-               "wall_s": {"fault_free": base["wall_s"], "faulty": faulty["wall_s"]}}
+               "wall_s": {run["name"]: run["wall_s"] for run in runs}}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
@@ -278,6 +308,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "|---|---|---|---|",
         *(f"| {w['steps']} | {w['faulty'] or float('nan'):.3f} | {w['fault_free'] or float('nan'):.3f} | "
           f"{(w['ratio'] or float('nan')):.1%} |" for w in windows),
+        "",
+        f"RSS of every process at every step boundary: rss.png (growth after warm-up, step {warm}, below).",
         "",
         "| kill at step | phase | replica | noticed after (s) | restart (s) | down (s) | weights version |",
         "|---|---|---|---|---|---|---|",

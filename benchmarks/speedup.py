@@ -1,21 +1,42 @@
-"""Fully-async against colocate, side by side on the same work (the spec's tables 5.2–5.4).
+"""Fully-async against colocate on the embedded default, side by side (the spec's tables 5.2–5.4).
 
-Runs the embedded default (`configs/tiny_cpu.yaml`: same seed, same prompts, same number of outer
-steps) through `lightning-fasync fit` in five modes, back to back in one invocation so the ratios
-come from one machine at one time:
+Runs the main job (`configs/tiny_cpu.yaml`: same seed, prompts and number of outer steps; by
+default its whole 120-step run) through `lightning-fasync fit` once per mode and round, rounds
+interleaved (round 1: every mode, then round 2, ...) so that a drift in the machine's load touches
+every mode alike:
 
 - colocate; colocate + partial (over-dispatch B/4 groups, abort the tail, resume it next step):
-  rollout, then training, each phase using every core;
-- fully-async no-window stale 1.0, windowed-fifo stale 1.0, windowed-fifo stale 2.0: trainer and
-  engine on disjoint cores (1 : 1 on a 2-core machine; `--trainer-cores` to change).
+  rollout, then training, each phase on every core;
+- fully-async as configured (the default: windowed-fifo, stale 0; trainer and engine on disjoint
+  halves of the cores, one torch thread per core);
+- fully-async with shared cores: trainer and engine each on every core with as many threads (the
+  operating system shares them; the engine's OpenMP workers sleep when idle);
+- fully-async no-window and windowed-fifo at stale 1.0.
 
-It prints and writes (Markdown and CSV) the spec-shaped table plus two columns the spec lacks: the
-ideal overlap bound from colocate's measured phase times, (rollout + train) / max(rollout, train),
-and each mode's final mean reward. Each mode's timeline (PNG from its event log) is written next to
-the table and logged to its TensorBoard run as an image.
+Per run: the mean step time excluding step 0 (steady state), the same over the run's first, middle
+and last third (responses shorten as the policy learns, so the phases differ), the phase times
+(the trainer's wait for data, its own work, its training calls) and the CPU seconds per step of the
+trainer and of its engine processes (sampled from /proc). Per mode: the median and range over
+rounds; the speedup is each round's colocate step over the mode's, median (range) over rounds.
 
-    python benchmarks/speedup.py --quick          # smoke check, ~2-3 minutes on 2 cores
-    python benchmarks/speedup.py                  # the full run (see the README for its duration)
+The bound is computed from each fully-async run itself, at the thread counts each side actually
+had: a step cannot be shorter than the trainer's own work in it (step minus its wait for data:
+training calls, batch assembly, the step boundary), nor than the CPU time both sides spent on it
+spread over every core. So ``bound = colocate step / max(trainer work, (trainer CPU + engine CPU) /
+cores)``, and a share of bound above 100 % cannot happen. Beside it, labelled, the classic overlap
+bound from colocate's two-thread phase times, (rollout + train) / max(rollout, train), which
+assumes each side keeps its colocate speed on half the machine.
+
+Written to `--out` (default `benchmarks/results/speedup/`): `speedup.md` (machine record, tables),
+`speedup.csv` (per mode), `runs.csv` (per run), `raw/<mode>-<round>.json` and each mode's timeline
+from its first round (`timeline-<mode>.png`, also logged to that run's TensorBoard). A load average
+over 0.5 per core before the start is warned about in the output.
+
+    python benchmarks/speedup.py                  # 3 rounds x 6 modes x 120 steps, ~25 minutes on 2 cores
+    python benchmarks/speedup.py --quick          # 20 steps, 1 round: a smoke check, ~3 minutes
+    python benchmarks/speedup.py --from-raw benchmarks/results/speedup   # tables again from raw/
+
+Arguments it does not know are appended to every `fit` command.
 """
 
 from __future__ import annotations
@@ -25,136 +46,348 @@ import csv
 import glob
 import json
 import os
-import re
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _machine import check_load, header, record  # noqa: E402
+from parity import slug  # noqa: E402
 
 from lightning_fasync.plots import log_image_to_tensorboard, plot_timeline, read_scalars  # noqa: E402
 
-B, N, M = 16, 8, 32
-CALLS = B * N // M
+B = 16  # the config's prompts per step (colocate + partial over-dispatches B // 4)
+BASELINE = "colocate"
+_CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+SHARED = [f"--trainer.strategy.init_args.trainer_cores=[{','.join(map(str, _CORES))}]",
+          f"--trainer.strategy.init_args.rollout_cores=[{','.join(map(str, _CORES))}]"]
 MODES: list[tuple[str, list[str]]] = [
     ("colocate", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"]),
     ("colocate + partial", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
                             f"--rollout.sampler.num_oversample={B // 4}"]),
-    ("fully_async (no-window, stale = 1.0)", ["--fully_async.sliding_window=no-window", "--fully_async.stale_steps=1.0"]),
-    ("fully_async (windowed-fifo, stale = 1.0)", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=1.0"]),
-    ("fully_async (windowed-fifo, stale = 2.0)", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=2.0"]),
+    ("fully-async (default)", []),
+    ("fully-async, shared cores", SHARED),
+    ("fully-async no-window, stale 1.0", ["--fully_async.sliding_window=no-window", "--fully_async.stale_steps=1.0"]),
+    ("fully-async windowed-fifo, stale 1.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=1.0"]),
 ]
+RUN_TIMEOUT_S = 1800
+POLL_S = 0.25
 
 
-def slug(name: str) -> str:
-    return re.sub(r"-+", "-", "".join(c if c.isalnum() else "-" for c in name)).strip("-").lower()
+# ---------------------------------------------------------------------------------------- CPU time
 
 
-def run_mode(name: str, overrides: list[str], steps: int, out: str, extra: list[str]) -> dict[str, Any]:
-    root = os.path.join(out, slug(name))
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc/<pid>/task/*/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                todo.extend(int(c) for c in open(task).read().split())
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def _cpu_seconds(pid: int) -> Optional[tuple[str, float]]:
+    """(command line, user + system CPU seconds) of one process, None when it is gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+        cmd = open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return cmd, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuSampler:
+    """Samples, every ``POLL_S``, the CPU seconds of a process and its descendants, by role
+    (``trainer``: the process itself; ``engine``: embedded engine servers; ``other``)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.samples = pid, []  # (wall time, {role: cpu seconds summed over live processes})
+        self._last: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def role(pid: int, root: int, cmd: str) -> str:
+        if pid == root:
+            return "trainer"
+        return "engine" if "lightning_fasync.rollout.server" in cmd else "other"
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = time.time()
+            for p in _descendants(self.pid):
+                got = _cpu_seconds(p)
+                if got is not None:
+                    self._last[p] = got  # a process that ends keeps its last reading
+            by_role: dict[str, float] = {}
+            for p, (cmd, cpu) in self._last.items():
+                r = self.role(p, self.pid, cmd)
+                by_role[r] = by_role.get(r, 0.0) + cpu
+            self.samples.append((now, by_role))
+            self._stop.wait(POLL_S)
+
+    def stop(self) -> list[tuple[float, dict[str, float]]]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.samples
+
+
+def cpu_between(samples: list[tuple[float, dict[str, float]]], t0: float, t1: float) -> dict[str, float]:
+    """CPU seconds per role spent between wall times ``t0`` and ``t1`` (nearest samples inside)."""
+    inside = [s for s in samples if t0 <= s[0] <= t1]
+    if len(inside) < 2:
+        return {}
+    (a, ra), (b, rb) = inside[0], inside[-1]
+    scale = (t1 - t0) / (b - a) if b > a else 1.0  # the samples span slightly less than the window
+    return {k: (rb.get(k, 0.0) - ra.get(k, 0.0)) * scale for k in rb}
+
+
+# ---------------------------------------------------------------------------------------- one run
+
+
+def run_one(name: str, overrides: list[str], rnd: int, steps: int, root: str, extra: list[str],
+            timeline: Optional[str] = None) -> dict[str, Any]:
+    """Run `fit` once under ``root``; with ``timeline``, draw the run's timeline there (PNG, also
+    logged to the run's TensorBoard as an image)."""
+    run_root = os.path.join(root, f"{slug(name)}-{rnd}")
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"),
-           f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false", "--trainer.save_freq=0",
+           f"--trainer.default_root_dir={run_root}", "--trainer.enable_progress_bar=false", "--trainer.save_freq=0",
            f"--trainer.rollout_steps={steps}", *overrides, *extra]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    sampler = CpuSampler(proc.pid)
+    try:
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"{name} (round {rnd + 1}) did not finish within {RUN_TIMEOUT_S} s: {shlex.join(cmd)}") from None
+    finally:
+        samples = sampler.stop()
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    log_dir = sorted(glob.glob(os.path.join(root, "lightning_logs", "version_*")))[-1]
-    tb = read_scalars(log_dir)
-    col = lambda tag: [v for _, v in tb.get(tag, [])]  # noqa: E731
-    step_times = col("timing/step")
-    fa = "--colocate=true" not in overrides
-    png = os.path.join(out, f"timeline-{slug(name)}.png")
-    plot_timeline(os.path.join(log_dir, "events.jsonl"), png, title=name)
-    log_image_to_tensorboard(png, log_dir, "timeline")
-    rewards = col("rollout/reward_mean")
+        raise RuntimeError(f"{name} (round {rnd + 1}) failed ({proc.returncode}):\n{out[-3000:]}")
+    log_dir = sorted(glob.glob(os.path.join(run_root, "lightning_logs", "version_*")))[-1]
+    if timeline:
+        plot_timeline(os.path.join(log_dir, "events.jsonl"), timeline, title=name)
+        log_image_to_tensorboard(timeline, log_dir, "timeline")
+    tb = read_scalars(log_dir, with_wall_time=True)
+    series = lambda tag: [float(v) for _, v, _ in tb.get(tag, [])]  # noqa: E731
+    walls = [w for _, _, w in tb.get("timing/step", [])]
+    # Steady state: from the end of step 0 to the end of the last step.
+    cpu = cpu_between(samples, walls[0], walls[-1]) if len(walls) > 1 else {}
     return {
-        "config": name,
-        "resource": "2 cores, time-shared" if not fa else "1 : 1 cores",
-        "avg_step": statistics.mean(step_times),
-        "avg_step_excl0": statistics.mean(step_times[1:]),
-        "pipeline_buf_size": statistics.mean(col("rollout/pipeline_buf_size")) if fa else None,
-        "partial_ratio": statistics.mean(col("rollout/partial_ratio")),
-        "partial_restored_count": statistics.mean(col("rollout/partial_restored_count") or [0.0]),
-        # Phase times: in colocate, timing/rollout is the rollout phase (waiting for the batch);
-        # training is the training calls plus turning trajectories into tensors.
-        "rollout_s": statistics.mean(col("timing/rollout")),
-        "train_s": statistics.mean(a + b for a, b in zip(col("timing/train"), col("timing/process_traj") or [0.0] * len(step_times))),
-        "wait_ratio": statistics.mean(col("perf/wait_ratio")),
-        "final_reward": statistics.mean(rewards[-3:]),
-        "wall_s": wall,
-        "timeline": png,
+        "mode": name,
+        "round": rnd,
+        "steps": steps,
+        "overrides": overrides,
+        "extra": list(extra),
+        "step": series("timing/step"),
+        "wait": series("timing/rollout"),
+        "train": series("timing/train"),
+        "process_traj": series("timing/process_traj"),
+        "reward": series("rollout/reward_mean"),
+        "pipeline_buf_size": series("rollout/pipeline_buf_size"),
+        "partial_ratio": series("rollout/partial_ratio"),
+        "partial_restored": series("rollout/partial_restored_count"),
+        "cpu_steady": cpu,
+        "proc_wall_s": wall,
     }
 
 
-def table(rows: list[dict[str, Any]], bound: float) -> str:
-    base = [r for r in rows if r["config"] == "colocate"]
-    b_all = statistics.mean(r["avg_step"] for r in base)
-    b_ss = statistics.mean(r["avg_step_excl0"] for r in base)
-    head = ("| config | resource | avg step (s) | speedup | avg step excl. step 0 (s) | speedup excl. step 0 | "
-            "pipeline_buf_size | partial_ratio | partial_restored_count | ideal overlap bound | share of bound | final reward |")
+# ---------------------------------------------------------------------------------------- tables
+
+
+def mean(xs: list[float]) -> Optional[float]:
+    return statistics.fmean(xs) if xs else None
+
+
+def thirds(n: int) -> list[tuple[str, int, int]]:
+    """Steps 1..n-1 (step 0 excluded) in three phases."""
+    k = (n - 1) // 3
+    return [("early", 1, 1 + k), ("middle", 1 + k, 1 + 2 * k), ("late", 1 + 2 * k, n)]
+
+
+def run_figures(run: dict[str, Any], cores: int) -> dict[str, Any]:
+    step, wait, n = run["step"], run["wait"], len(run["step"])
+    ss = step[1:]
+    trainer_work = mean([s - w for s, w in zip(step[1:], wait[1:])])
+    train = mean([a + b for a, b in zip(run["train"][1:], run["process_traj"][1:] or [0.0] * (n - 1))])
+    cpu = run["cpu_steady"]
+    per_step = {k: v / max(1, n - 1) for k, v in cpu.items()}
+    floor = None
+    if trainer_work is not None:
+        floor = max(trainer_work, (per_step.get("trainer", 0.0) + per_step.get("engine", 0.0)) / cores)
+    fig = {
+        "steady": mean(ss),
+        "all": mean(step),
+        "wait": mean(wait[1:]),
+        "trainer_work": trainer_work,
+        "train": train,
+        "trainer_cpu": per_step.get("trainer"),
+        "engine_cpu": per_step.get("engine"),
+        "floor": floor,
+        "final_reward": mean(run["reward"][-10:]),
+        "pipeline_buf_size": mean(run["pipeline_buf_size"]),
+        "partial_ratio": mean(run["partial_ratio"]),
+        "partial_restored": mean(run["partial_restored"]),
+    }
+    for phase, lo, hi in thirds(n):
+        fig[phase] = mean(step[lo:hi])
+    return fig
+
+
+def spread(xs: list[Optional[float]]) -> tuple[Optional[float], Optional[float], Optional[float]]:
+    xs = [x for x in xs if x is not None]
+    return (statistics.median(xs), min(xs), max(xs)) if xs else (None, None, None)
+
+
+def fmt(s: tuple, nd: int = 2, unit: str = "") -> str:
+    med, lo, hi = s
+    if med is None:
+        return "-"
+    return f"{med:.{nd}f}{unit} ({lo:.{nd}f}-{hi:.{nd}f})" if hi - lo > 10 ** -nd / 2 else f"{med:.{nd}f}{unit}"
+
+
+def summarize(runs: list[dict[str, Any]], cores: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    figs = [{**r, **run_figures(r, cores)} for r in runs]
+    base = {f["round"]: f for f in figs if f["mode"] == BASELINE}
+    for f in figs:
+        b = base.get(f["round"])
+        f["speedup"] = b["steady"] / f["steady"] if b else None
+        f["speedup_all"] = b["all"] / f["all"] if b else None
+        for phase, _, _ in thirds(len(f["step"])):
+            f[f"speedup_{phase}"] = b[phase] / f[phase] if b and b[phase] and f[phase] else None
+        fa = "--colocate=true" not in f["overrides"]
+        f["bound"] = b["steady"] / f["floor"] if b and fa and f["floor"] else None
+        f["share"] = f["speedup"] / f["bound"] if f["bound"] and f["speedup"] else None
+        if f["mode"] == BASELINE:  # colocate's two-thread overlap bound: (R + T) / max(R, T)
+            r, t = f["wait"], f["train"]
+            f["colocate_bound"] = (r + t) / max(r, t) if r and t else None
+    modes = list(dict.fromkeys(f["mode"] for f in figs))
+    rows = []
+    for m in modes:
+        fs = [f for f in figs if f["mode"] == m]
+        keys = ["steady", "all", "early", "middle", "late", "wait", "trainer_work", "train", "trainer_cpu", "engine_cpu",
+                "speedup", "speedup_all", "speedup_early", "speedup_middle", "speedup_late", "bound", "share",
+                "final_reward", "pipeline_buf_size", "partial_ratio", "partial_restored", "colocate_bound"]
+        rows.append({"mode": m, "rounds": len(fs), **{k: spread([f.get(k) for f in fs]) for k in keys}})
+    return rows, {"figs": figs}
+
+
+def markdown(rows: list[dict[str, Any]], steps: int) -> str:
+    head = ("| mode | avg step excl. step 0 (s) | speedup | early / middle / late step (s) | speedup early / middle / late | "
+            "trainer wait / work / train (s) | CPU s per step: trainer / engine | honest bound | share of bound | "
+            "pipeline_buf_size | partial_ratio | final reward |")
     lines = [head, "|" + "---|" * 12]
     for r in rows:
-        sp, ss = b_all / r["avg_step"], b_ss / r["avg_step_excl0"]
-        r["speedup"], r["speedup_excl0"], r["bound"], r["share_of_bound"] = sp, ss, bound, ss / bound
-        buf = "-" if r["pipeline_buf_size"] is None else f"{r['pipeline_buf_size']:.1f}"
+        ph = " / ".join(fmt(r[p]).split(" ")[0] for p in ("early", "middle", "late"))
+        sp = " / ".join(fmt(r[f"speedup_{p}"]).split(" ")[0] + ("x" if r[f"speedup_{p}"][0] else "") for p in ("early", "middle", "late"))
+        wt = " / ".join(fmt(r[k]).split(" ")[0] for k in ("wait", "trainer_work", "train"))
+        cpu = " / ".join(fmt(r[k]).split(" ")[0] for k in ("trainer_cpu", "engine_cpu"))
+        share = "-" if r["share"][0] is None else f"{r['share'][0]:.0%} ({r['share'][1]:.0%}-{r['share'][2]:.0%})"
         lines.append(
-            f"| {r['config']} | {r['resource']} | {r['avg_step']:.2f} | {sp:.2f}x | {r['avg_step_excl0']:.2f} | {ss:.2f}x | "
-            f"{buf} | {r['partial_ratio']:.3f} | {r['partial_restored_count']:.0f} | {bound:.2f}x | {ss / bound:.0%} | "
-            f"{r['final_reward']:.3f} |"
+            f"| {r['mode']} | {fmt(r['steady'], 3)} | {fmt(r['speedup'], 2, 'x')} | {ph} | {sp} | {wt} | {cpu} | "
+            f"{fmt(r['bound'], 2, 'x')} | {share} | {fmt(r['pipeline_buf_size'], 1)} | {fmt(r['partial_ratio'], 3)} | "
+            f"{fmt(r['final_reward'], 3)} |"
         )
-    return "\n".join(lines)
+    colo = next((r for r in rows if r["mode"] == BASELINE), None)
+    notes = [
+        "",
+        f"{steps} outer steps per run; median (range) over {rows[0]['rounds']} interleaved round(s). Speedup: each round's "
+        "colocate step over the mode's (excl. step 0; early / middle / late: the run's thirds). Trainer wait: "
+        "`timing/rollout`; work: step minus wait; train: training calls plus batch assembly. Honest bound: colocate step / "
+        "max(trainer work, (trainer + engine CPU) / cores), from each fully-async run at its own thread counts.",
+    ]
+    if colo and colo["colocate_bound"][0] is not None:
+        notes.append(
+            f"Colocate two-thread overlap bound, (rollout + train) / max(rollout, train) from colocate's phases: "
+            f"{fmt(colo['colocate_bound'], 2, 'x')} (it assumes each side keeps its two-thread speed on one core, so it is "
+            "not a bound on a 1 : 1 split)."
+        )
+    return "\n".join(lines + notes) + "\n"
 
 
-def main() -> None:
+CSV_KEYS = ["steady", "all", "early", "middle", "late", "wait", "trainer_work", "train", "trainer_cpu", "engine_cpu", "speedup",
+            "speedup_early", "speedup_middle", "speedup_late", "bound", "share", "final_reward", "pipeline_buf_size",
+            "partial_ratio", "partial_restored", "colocate_bound"]
+
+
+def write_outputs(runs: list[dict[str, Any]], out: str, info: dict[str, Any], wall: float, warning: Optional[str]) -> str:
+    rows, extra = summarize(runs, info["nproc"])
+    text = header("Fully-async against colocate", info, wall, warning) + "\n" + markdown(rows, runs[0]["steps"])
+    with open(os.path.join(out, "speedup.md"), "w") as fh:
+        fh.write(text)
+    with open(os.path.join(out, "speedup.csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["mode", "rounds"] + [f"{k}_{s}" for k in CSV_KEYS for s in ("median", "min", "max")])
+        for r in rows:
+            w.writerow([r["mode"], r["rounds"]] + ["" if v is None else f"{v:.4f}" for k in CSV_KEYS for v in r[k]])
+    with open(os.path.join(out, "runs.csv"), "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["mode", "round"] + CSV_KEYS[:-1])
+        for f in extra["figs"]:
+            w.writerow([f["mode"], f["round"]] + ["" if f.get(k) is None else f"{f[k]:.4f}" for k in CSV_KEYS[:-1]])
+    with open(os.path.join(out, "meta.json"), "w") as fh:
+        json.dump({**info, "wall_s": wall, "warning": warning}, fh, indent=1)
+    return text
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="6 steps per mode, one round: a smoke check")
-    parser.add_argument("--steps", type=int, default=16, help="outer steps per mode (at least 12 for the full run)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of all modes, interleaved")
+    parser.add_argument("--quick", action="store_true", help="20 steps, one round: a smoke check")
+    parser.add_argument("--steps", type=int, default=120, help="outer steps per run (the default config's whole run)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode, interleaved")
+    parser.add_argument("--modes", nargs="+", default=None, help="subset of the modes (slugs), colocate always included")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "speedup"))
-    parser.add_argument("--trainer-cores", default=None, help="e.g. 0 (the rest go to the engine)")
-    args, extra = parser.parse_known_args()
-    steps, repeats = (6, 1) if args.quick else (args.steps, args.repeats)
-    if args.trainer_cores:
-        extra.append(f"--trainer.strategy.init_args.trainer_cores=[{args.trainer_cores}]")
-    os.makedirs(args.out, exist_ok=True)
+    parser.add_argument("--from-raw", metavar="DIR", help="no runs: rebuild the tables from DIR/raw/*.json and DIR/meta.json")
+    args, extra = parser.parse_known_args(argv)
+    if args.from_raw:
+        runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(args.from_raw, "raw", "*.json")))]
+        meta = json.load(open(os.path.join(args.from_raw, "meta.json")))
+        runs.sort(key=lambda r: (r["round"], [m for m, _ in MODES].index(r["mode"]) if r["mode"] in dict(MODES) else 99))
+        print(write_outputs(runs, args.from_raw, meta, meta.get("wall_s", float("nan")), meta.get("warning")))
+        return
+    steps, rounds = (20, 1) if args.quick else (args.steps, args.rounds)
+    modes = [m for m in MODES if m[0] == BASELINE or args.modes is None or slug(m[0]) in args.modes]
+    info = {**record(), "command": "python benchmarks/speedup.py" + (" " + shlex.join(argv) if argv else "")}
+    warning = check_load(info)
+    raw_dir = os.path.join(args.out, "raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="speedup-")
     t0 = time.perf_counter()
-    runs: list[dict[str, Any]] = []
-    for rep in range(repeats):
-        for name, overrides in MODES:
-            print(f"[round {rep + 1}/{repeats}] {name} ...", flush=True)
-            runs.append(run_mode(name, overrides, steps, os.path.join(args.out, f"round{rep}"), extra))
-    # One row per mode: the mean over rounds; the spread of colocate's reward over rounds is the
-    # yardstick for "learning held".
-    rows = []
-    for name, _ in MODES:
-        rs = [r for r in runs if r["config"] == name]
-        row = {k: (statistics.mean(r[k] for r in rs) if isinstance(rs[0][k], float) else rs[0][k]) for k in rs[0]}
-        row["reward_spread"] = (min(r["final_reward"] for r in rs), max(r["final_reward"] for r in rs))
-        rows.append(row)
-    colo = rows[0]
-    bound = (colo["rollout_s"] + colo["train_s"]) / max(colo["rollout_s"], colo["train_s"])
-    text = table(rows, bound)
-    summary = (
-        f"\n{steps} outer steps per mode, {repeats} round(s), {time.perf_counter() - t0:.0f} s in all. "
-        f"Colocate phase times per step: rollout {colo['rollout_s']:.2f} s, train {colo['train_s']:.2f} s "
-        f"(ideal overlap bound {bound:.2f}x). Colocate final reward over rounds: "
-        f"{colo['reward_spread'][0]:.3f}..{colo['reward_spread'][1]:.3f}."
-    )
-    print(text + summary)
-    with open(os.path.join(args.out, "speedup.md"), "w") as fh:
-        fh.write(text + "\n" + summary + "\n")
-    with open(os.path.join(args.out, "speedup.csv"), "w", newline="") as fh:
-        keys = [k for k in rows[0] if k not in ("reward_spread",)]
-        writer = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(os.path.join(args.out, "runs.json"), "w") as fh:
-        json.dump(runs, fh, indent=1)
+    runs = []
+    try:
+        for rnd in range(rounds):
+            for name, overrides in modes:
+                print(f"[round {rnd + 1}/{rounds}] {name} ...", end=" ", flush=True)
+                png = os.path.join(args.out, f"timeline-{slug(name)}.png") if rnd == 0 else None
+                run = run_one(name, overrides, rnd, steps, tmp, extra, timeline=png)
+                with open(os.path.join(raw_dir, f"{slug(name)}-{rnd}.json"), "w") as fh:
+                    json.dump(run, fh)
+                print(f"{statistics.fmean(run['step'][1:]):.3f} s/step, {run['proc_wall_s']:.0f} s", flush=True)
+                runs.append(run)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    info["load_after"] = os.getloadavg()
+    print(write_outputs(runs, args.out, info, time.perf_counter() - t0, warning))
 
 
 if __name__ == "__main__":

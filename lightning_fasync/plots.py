@@ -12,19 +12,21 @@ import os
 from typing import Optional, Sequence
 
 
-def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in a run's TensorBoard event files, read with TensorBoard's own reader."""
+def read_scalars(log_dir: str, with_wall_time: bool = False) -> dict[str, list[tuple]]:
+    """Every scalar in a run's TensorBoard event files, read with TensorBoard's own reader:
+    ``(step, value)`` pairs, or ``(step, value, wall_time)`` with ``with_wall_time``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     files = sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*")))
     if not files:
         raise FileNotFoundError(f"No TensorBoard event file in {log_dir!r}.")
-    out: dict[str, list[tuple[int, float]]] = {}
+    out: dict[str, list[tuple]] = {}
     for f in files:
         acc = EventAccumulator(f, size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+            out.setdefault(tag, []).extend(
+                (e.step, e.value, e.wall_time) if with_wall_time else (e.step, e.value) for e in acc.Scalars(tag))
     return {k: sorted(v) for k, v in out.items()}
 
 

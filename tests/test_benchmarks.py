@@ -1,6 +1,7 @@
-"""Benchmarks are not tests; this only checks that the speedup benchmark's machinery runs
-(two short modes, table, timeline picture in PNG and in TensorBoard). No timing is asserted."""
+"""Benchmarks are not tests; these only check that the benchmarks' machinery runs (short runs, their
+tables and files). No timing is asserted."""
 
+import glob
 import os
 import sys
 
@@ -10,30 +11,50 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
-def test_speedup_benchmark_smoke(tmp_path):
+def test_speedup_benchmark_smoke(tmp_path, monkeypatch):
+    """Colocate and the default fully-async config, 3 steps, one round: the tables, the per-run CSV
+    and raw files, the timelines, and a bound that is a bound (share of bound <= 100 %)."""
+    import csv
+    import json
+
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     try:
         import speedup
     finally:
         sys.path.pop(0)
-    modes = dict(speedup.MODES)
-    rows = [speedup.run_mode(name, modes[name], 2, str(tmp_path), []) for name in ("colocate", "fully_async (windowed-fifo, stale = 1.0)")]
-    text = speedup.table(rows, bound=1.5)
-    assert "| colocate |" in text and "| fully_async (windowed-fifo, stale = 1.0) |" in text
-    assert rows[0]["pipeline_buf_size"] is None and rows[1]["pipeline_buf_size"] is not None
-    for r in rows:
-        assert os.path.getsize(r["timeline"]) > 10_000
-        assert r["rollout_s"] >= 0 and r["train_s"] > 0
+    runs_dir = tmp_path / "runs"
+    os.makedirs(runs_dir)
+    monkeypatch.setattr(speedup.tempfile, "mkdtemp", lambda prefix="": str(runs_dir))  # keep the run directories
+    monkeypatch.setattr(speedup.shutil, "rmtree", lambda *a, **k: None)
+    speedup.main(["--steps", "3", "--rounds", "1", "--modes", "fully-async-default", "--out", str(tmp_path)])
+    text = (tmp_path / "speedup.md").read_text()
+    assert "| colocate |" in text and "| fully-async (default) |" in text and "load average" in text
+    with open(tmp_path / "runs.csv") as f:
+        runs = {r["mode"]: r for r in csv.DictReader(f)}
+    fa = runs["fully-async (default)"]
+    assert float(fa["speedup"]) > 0 and float(fa["bound"]) > 0
+    assert float(fa["share"]) <= 1.0 + 1e-9  # the run's own floor: trainer work and CPU time per core
+    assert float(fa["engine_cpu"]) > 0 and float(fa["trainer_cpu"]) > 0
+    assert runs["colocate"]["bound"] == ""  # no fully-async bound for colocate itself
+    raw = json.loads((tmp_path / "raw" / "fully-async-default-0.json").read_text())
+    assert len(raw["step"]) == 3 and raw["cpu_steady"]["engine"] > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    import glob
 
-    log_dir = glob.glob(os.path.join(tmp_path, "colocate", "lightning_logs", "version_*"))[0]
-    images = []
-    for f in glob.glob(os.path.join(log_dir, "events.out.tfevents.*")):
-        acc = EventAccumulator(f)
-        acc.Reload()
-        images += acc.Tags()["images"]
-    assert "timeline" in images
+    for name in ("colocate", "fully-async-default"):
+        assert os.path.getsize(tmp_path / f"timeline-{name}.png") > 10_000
+        images = []
+        for f in glob.glob(str(runs_dir / f"{name}-0" / "lightning_logs" / "version_*" / "events.out.tfevents.*")):
+            acc = EventAccumulator(f)
+            acc.Reload()
+            images += acc.Tags()["images"]
+        assert "timeline" in images  # also in the run's TensorBoard
+    again = tmp_path / "again"
+    os.makedirs(again / "raw")
+    for f in os.listdir(tmp_path / "raw"):
+        (again / "raw" / f).write_text((tmp_path / "raw" / f).read_text())
+    (again / "meta.json").write_text((tmp_path / "meta.json").read_text())
+    speedup.main(["--from-raw", str(again)])
+    assert (again / "speedup.md").read_text() == text
 
 
 @pytest.mark.slow

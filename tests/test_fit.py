@@ -58,7 +58,7 @@ def test_print_config_lists_every_spec_key(tmp_path):
                 "num_prompts_per_step: 16", "mini_batch_size: 32", "save_freq:", "use_rollout_log_probs: false",
                 "num_gpus_per_node:", "sglang_replicas:", "num_oversample: 0", "partial: true",
                 "mask_offpolicy_in_partial_rollout:", "max_running_requests:", "max_connections: 512", "m2po:", "opsm:",
-                "is_correction:"):
+                "is_correction:", "prox_logp_method: loglinear"):
         assert key in out, key
 
 
