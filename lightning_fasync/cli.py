@@ -65,12 +65,13 @@ def _simulate(argv: Sequence[str]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv_is_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("simulate", "serve", "fit")
+    commands = ("simulate", "serve", "fit", "export")
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lightning-fasync {simulate,serve,fit} ...\n\n"
+        print("usage: lightning-fasync {simulate,serve,fit,export} ...\n\n"
               "  simulate  plan a run on a virtual clock (colocate vs fully-async)\n"
               "  serve     start one embedded rollout engine (SGLang native API)\n"
-              "  fit       train (Lightning integration)")
+              "  fit       train (Lightning integration)\n"
+              "  export    write a checkpoint's policy as a Hugging Face directory")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in commands:
@@ -83,6 +84,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except (ValueError, FileNotFoundError) as exc:  # a bad trace or config file
                 print(f"lightning-fasync simulate: error: {exc}", file=sys.stderr)
                 return 2
+        if command == "export":
+            from lightning_fasync.lightning.export import main as export_main
+
+            return export_main(rest)
         if command == "serve":
             from lightning_fasync.rollout.server import main as serve_main
 

@@ -104,6 +104,21 @@ def test_embedded_default_learns_end_to_end(tmp_path):
     (cb_state,) = [v for k, v in ckpt["callbacks"].items() if "FullyAsyncCallback" in k]
     assert cb_state["pipeline"]["rollout_step"] == steps and cb_state["pipeline"]["weight_version"] == steps
 
+    # The trained policy leaves as a Hugging Face directory that transformers loads, with the
+    # trainer's weights: same logits as the policy restored from the checkpoint.
+    from transformers import AutoModelForCausalLM
+
+    from lightning_fasync.cli import main as cli_main
+    from lightning_fasync.policy import build_policy
+
+    hf_dir = os.path.join(tmp_path, "exported")
+    assert cli_main(["export", "--ckpt_path", os.path.join(log_dir, "checkpoints", "last.ckpt"), "--out", hf_dir]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(hf_dir)
+    trained, tok = build_policy("tiny")
+    trained.load_state_dict({k[len("policy."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("policy.")})
+    ids = torch.tensor([tok("<s>g*11=")["input_ids"]])
+    assert torch.allclose(exported(ids).logits, trained(ids).logits, atol=1e-6)
+
     # The spec's metric names in TensorBoard, finite, once per rollout step at step = rollout step.
     tb = scalars(log_dir)
     ledger = read_jsonl(os.path.join(log_dir, "ledger.jsonl"))
