@@ -137,8 +137,12 @@ def _run(name: str, out: str, steps: int, kills: str) -> dict[str, Any]:
            "--trainer.strategy.rollout_replicas=2", "--trainer.strategy.trainer_cores=[0]",
            "--trainer.strategy.rollout_cores=[0,1]"]
     t0 = time.monotonic()
+    limit = 600 + 10 * steps  # seconds: start-up plus ten times the slowest step seen on 2 cores
     with open(os.path.join(root, "run.log"), "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, timeout=limit)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"{name}: fit did not finish within {limit} s; see {os.path.join(root, 'run.log')}") from None
     wall = time.monotonic() - t0
     if rc != 0:
         raise SystemExit(f"{name}: fit exited {rc}; see {os.path.join(root, 'run.log')}")

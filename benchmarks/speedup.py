@@ -297,10 +297,11 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
             "pipeline_buf_size | partial_ratio | final reward |")
     lines = [head, "|" + "---|" * 12]
     for r in rows:
-        ph = " / ".join(fmt(r[p]).split(" ")[0] for p in ("early", "middle", "late"))
-        sp = " / ".join(fmt(r[f"speedup_{p}"]).split(" ")[0] + ("x" if r[f"speedup_{p}"][0] else "") for p in ("early", "middle", "late"))
-        wt = " / ".join(fmt(r[k]).split(" ")[0] for k in ("wait", "trainer_work", "train"))
-        cpu = " / ".join(fmt(r[k]).split(" ")[0] for k in ("trainer_cpu", "engine_cpu"))
+        medians = lambda keys, unit="": " / ".join("-" if r[k][0] is None else f"{r[k][0]:.2f}{unit}" for k in keys)  # noqa: E731
+        ph = medians(("early", "middle", "late"))
+        sp = medians(("speedup_early", "speedup_middle", "speedup_late"), "x")
+        wt = medians(("wait", "trainer_work", "train"))
+        cpu = medians(("trainer_cpu", "engine_cpu"))
         share = "-" if r["share"][0] is None else f"{r['share'][0]:.0%} ({r['share'][1]:.0%}-{r['share'][2]:.0%})"
         lines.append(
             f"| {r['mode']} | {fmt(r['steady'], 3)} | {fmt(r['speedup'], 2, 'x')} | {ph} | {sp} | {wt} | {cpu} | "

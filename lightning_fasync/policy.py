@@ -115,53 +115,35 @@ def _build_tiny(dtype: torch.dtype) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
-def _build_qwen3_06b_shape(dtype: torch.dtype) -> tuple[Any, Any]:
+def _build_qwen3_shape(dtype: torch.dtype, **shape: Any) -> tuple[Any, Any]:
+    """A randomly initialised Qwen3 of the given shape, with the char tokenizer (no download)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     tokenizer = build_char_tokenizer()
     config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **{"vocab_size": len(tokenizer), **shape},
     )
     model = _seeded(lambda: AutoModelForCausalLM.from_config(config, dtype=dtype), _TINY_SEED)
     return model.eval(), tokenizer
+
+
+def _build_qwen3_06b_shape(dtype: torch.dtype) -> tuple[Any, Any]:
+    # Qwen3-0.6B's shape, its full vocabulary included.
+    return _build_qwen3_shape(dtype, vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
 
 
 def _build_qwen3_30m_shape(dtype: torch.dtype) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    tokenizer = build_char_tokenizer()
     # Qwen3-0.6B's proportions scaled down: MLP 3x hidden, GQA group 2, head_dim 64, tied
     # embeddings; 10 layers of 3.1M parameters. The char vocabulary keeps the lm_head small, so
     # the decoder layers carry the cost.
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=10,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = _seeded(lambda: AutoModelForCausalLM.from_config(config, dtype=dtype), _TINY_SEED)
-    return model.eval(), tokenizer
+    return _build_qwen3_shape(dtype, hidden_size=512, intermediate_size=1536, num_hidden_layers=10,
+                              num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=2048)
 
 
 PRESETS: dict[str, Callable[[torch.dtype], tuple[Any, Any]]] = {

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
 import torch
-
 from lightning_fasync.policy import build_policy
-from lightning_fasync.rollout.engine import Engine, EngineRequest
+from lightning_fasync.rollout.engine import Engine
 from lightning_fasync.rollout.model_runner import KVCacheTooLargeError, plan_kv_pool
+from test_engine import submit, wait_for
 
 GIB = 2**30
 
@@ -22,21 +19,6 @@ def policy():
 
 def ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def submit(engine, rid, input_ids, **kw) -> tuple[EngineRequest, threading.Event]:
-    done = threading.Event()
-    req = EngineRequest(rid=rid, input_ids=input_ids, on_finish=lambda r: done.set(), **kw)
-    engine.submit(req)
-    return req, done
-
-
-def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"Timed out after {timeout} s waiting for {what}.")
-        time.sleep(0.001)
 
 
 def plan(**kw):
