@@ -113,6 +113,10 @@ class TrainerConfig:
     """Save a checkpoint every this many rollout steps; 0 saves none periodically."""
     save_keep_last: Optional[int] = 3
     """Periodic checkpoints kept: older ones are removed after each successful save; null keeps all."""
+    save_hf: bool = False
+    """With each checkpoint, also write the policy as a Hugging Face directory beside it
+    (``step-NNNNNN.hf``: config, safetensors, tokenizer), gathered shard by shard from a sharded
+    trainer; removed with its checkpoint. ``lightning-fasync export`` does the same afterwards."""
     preempt_grace_s: float = 30.0
     """After SIGTERM or SIGINT: seconds to finish the step and save a checkpoint before the run exits
     (status 128 + signal); a step that cannot finish in time is abandoned (the last checkpoint stands)."""

@@ -59,7 +59,9 @@ def test_speedup_benchmark_smoke(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_weight_sync_benchmark_smoke(tmp_path):
-    """``benchmarks/weight_sync.py --quick``: every path timed against the copy, the files written."""
+    """``benchmarks/weight_sync.py --quick``: every path timed against the copy, the files written;
+    the sharded section: a 2-rank FSDP2 trainer's push against this process's, over ``tensor`` and
+    ``distributed``, with the same weights, resident memory, and rank 0's peak set against its bound."""
     import csv
     import json
 
@@ -68,7 +70,8 @@ def test_weight_sync_benchmark_smoke(tmp_path):
         import weight_sync
     finally:
         sys.path.pop(0)
-    rows = weight_sync.main(["--quick", "--out", str(tmp_path)])
+    result = weight_sync.main(["--quick", "--out", str(tmp_path)])
+    rows, sharded = result["paths"], result["sharded"]
     assert [r["path"] for r in rows] == ["distributed", "tensor", "disk"]
     assert all(r["model"] == "tiny" and r["push_s"] > 0 and r["gb_s"] > 0 and r["copy_gb_s"] > 0 for r in rows)
     # Each path against its own medium: a memory copy, a gloo broadcast to a second process, a file.
@@ -79,3 +82,22 @@ def test_weight_sync_benchmark_smoke(tmp_path):
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert {"nproc", "cpu", "loadavg_before", "loadavg_after", "date", "git_commit"} <= set(meta)
     assert "| tiny |" in (tmp_path / "results.md").read_text()
+
+    assert [(r["path"], r["trainer"]) for r in sharded] == [
+        ("tensor", "single process"), ("tensor", weight_sync.SHARDED),
+        ("distributed", "single process"), ("distributed", weight_sync.SHARDED)]
+    for single, shard in (sharded[0:2], sharded[2:4]):
+        assert single["push_s"] > 0 and shard["push_s"] > 0 and single["rss_mb"] > 0
+        assert shard["same_weights"] is True  # the ranks' gathered tensors hash as this process's do
+        assert 0 < shard["gather_s"] <= shard["push_s"] and 0 < shard["gather_share"] <= 1
+        assert shard["rss_mb"] > 0 and shard["rss1_mb"] > 0
+        # The first push allocates rank 0's staging bucket: its peak extra cannot be zero.
+        assert shard["peak_extra_mb"] > 0 and shard["peak_extra1_mb"] >= 0 and shard["held_mb"] >= 0
+        assert shard["bucket_max_mb"] > 0 and shard["largest_tensor_mb"] > 0
+        assert shard["bound_mb"] == pytest.approx(shard["bucket_max_mb"] + shard["largest_tensor_mb"], abs=0.02)
+        assert shard["peak_over_bound"] == pytest.approx(shard["peak_extra_mb"] / shard["bound_mb"], rel=0.05)
+    with open(tmp_path / "sharded.csv") as f:
+        assert [r["trainer"] for r in csv.DictReader(f)] == ["single process", weight_sync.SHARDED] * 2
+    assert meta["sharded"]["paths"] == ["tensor", "distributed"] and meta["sharded"]["world"] == 2
+    text = (tmp_path / "results.md").read_text()
+    assert "## Sharded trainer" in text and f"| tiny | float32 | tensor | {weight_sync.SHARDED} |" in text

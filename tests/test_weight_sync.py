@@ -23,6 +23,7 @@ from lightning_fasync.rollout.client import SGLangClient
 from lightning_fasync.rollout.engine import Engine
 from lightning_fasync.rollout.launch import launch_server
 from lightning_fasync.rollout.server import build_app
+from lightning_fasync.rollout.tensor_stream import TensorStream
 from lightning_fasync.rollout.weight_checksum import checksums
 from lightning_fasync.rollout.weight_group import DistributedWeightSync
 from lightning_fasync.rollout.weight_sync import (
@@ -32,6 +33,8 @@ from lightning_fasync.rollout.weight_wire import (
     FlattenedTensorMetadata, UnsafePayload, deserialize, flatten_into, layout, plan_buckets, serialize, serialize_bucket,
     unflatten,
 )
+
+from test_weight_stream import Tracked
 
 
 @pytest.fixture(scope="module")
@@ -260,13 +263,17 @@ def pool():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["distributed", "distributed-flattened", "tensor", "tensor-flattened", "disk"])
+@pytest.mark.parametrize("kind", ["distributed", "distributed-flattened", "tensor", "tensor-flattened", "tensor-stream",
+                                  "disk"])
 def test_each_path_serves_the_new_weights_behind_the_router_and_on_one_replica(pool, policy, kind, tmp_path):
     """Each path and wire format: ``distributed`` broadcasts each tensor (the engine receives into
     its parameters) or flattened buckets; ``tensor`` sends handles to the trainer's own tensors
-    (moved to shared memory in place) or flattened buckets in staging memory."""
+    (moved to shared memory in place) or flattened buckets in staging memory, also taken from a
+    ``TensorStream`` (a sharded trainer's; ``test_weight_stream.py``)."""
     kind, _, variant = kind.partition("-")
-    options = {"flatten": True} if variant and kind == "distributed" else ({"zero_copy": False} if variant else {})
+    options = {"flatten": True} if variant and kind == "distributed" else (
+        {"zero_copy": False} if variant == "flattened" else {})
+    streamed = TensorStream.from_mapping if variant == "stream" else (lambda tensors: tensors)
     model, tok = policy
     prompt = tok("weights", add_special_tokens=False)["input_ids"]
     original = {k: v.clone() for k, v in model.state_dict().items()}
@@ -281,7 +288,7 @@ def test_each_path_serves_the_new_weights_behind_the_router_and_on_one_replica(p
         sync = make_weight_sync(kind, both, bucket_bytes=256 * 1024, timeout_s=120, work_dir=str(tmp_path), **options)
         solo = make_weight_sync(kind, one, bucket_bytes=256 * 1024, timeout_s=120, work_dir=str(tmp_path), **options)
         try:
-            await sync.push(new, 7, step=6)
+            await sync.push(streamed(new), 7, step=6)
             # The zero-copy tensor path sent the tensors themselves: they now live in shared memory.
             assert all(t.is_shared() for t in new.values()) == (kind == "tensor" and not variant)
             for i in range(2):  # round robin: one request per replica
@@ -291,7 +298,7 @@ def test_each_path_serves_the_new_weights_behind_the_router_and_on_one_replica(p
             expected = checksums(new)
             for reported in await both.weight_checksums():
                 assert {k: expected[k] for k in reported} == reported
-            await solo.push(original, 8, step=7)
+            await solo.push(streamed(original), 8, step=7)
             res = await one.generate(greedy(f"{kind}-solo", prompt))
             assert res.output_ids == ref_original and res.weight_versions == [8] * 12
             assert [i["weight_version"] for i in await both.model_info()] == ["8", "7"]
@@ -303,6 +310,60 @@ def test_each_path_serves_the_new_weights_behind_the_router_and_on_one_replica(p
         assert os.listdir(tmp_path) == [], "a pushed directory was left behind"
 
     asyncio.run(asyncio.wait_for(main(), 300))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["tensor", "disk", "distributed"])
+def test_a_stream_loads_what_the_mapping_loads_one_bucket_and_one_tensor_at_a_time(pool, policy, kind, tmp_path):
+    """A ``TensorStream`` (a sharded trainer's tensors, gathered one at a time) on each path, to one
+    replica: the same greedy output, per-token versions and checksums as the mapping; at most one
+    bucket and one tensor of it held; a stream failing mid-push fails the push, the next succeeds."""
+    bucket = 128 * 1024  # the tiny policy (~1.2 MiB): about ten buckets
+    model, tok = policy
+    prompt = tok("stream", add_special_tokens=False)["input_ids"]
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    new = perturbed(model, seed=13)
+
+    async def main():
+        client = SGLangClient([pool.worker_urls[0]])
+        sync = make_weight_sync(kind, client, bucket_bytes=bucket, timeout_s=60, work_dir=str(tmp_path))
+
+        async def served(rid):
+            res = await client.generate(greedy(rid, prompt))
+            return res.output_ids, res.weight_versions, (await client.weight_checksums())[0]
+
+        try:
+            await sync.push(new, 7, step=6)
+            as_mapping = await served(f"{kind}-mapping")
+            await sync.push(original, 0, step=7)
+            at_start = await served(f"{kind}-original")
+            assert at_start[0] != as_mapping[0]  # the next push has something to change
+            tracked = Tracked(new)
+            await sync.push(tracked.stream, 7, step=8)
+            assert await served(f"{kind}-stream") == as_mapping  # output, per-token versions, checksums
+            assert tracked.stream.consumed == len(new)
+            # Peak: one bucket and one tensor. The flattening paths drop each tensor once it is in
+            # the bucket; disk holds a shard's tensors (one bucket) until the shard is written.
+            if kind == "disk":
+                assert max(nbytes for _, nbytes in tracked.held) < bucket and tracked.held[0] == (0, 0)
+            else:
+                assert tracked.held == [(0, 0)] * len(new)
+            # Failing mid-push: the push fails naming the tensor and leaves the rest of the stream to
+            # the caller (who drains it, so the ranks' collectives match); the next push succeeds.
+            failing = Tracked(original, fail_at=len(original) // 2)
+            name = failing.items[failing.fail_at][0]
+            with pytest.raises(WeightSyncError, match=f"step 9 failed taking {name}"):
+                await sync.push(failing.stream, 0, step=9)
+            assert failing.stream.consumed == failing.fail_at + 1
+            failing.stream.drain()
+            await sync.push(Tracked(original).stream, 0, step=10)  # as the module found them
+            assert await served(f"{kind}-restored") == at_start
+        finally:
+            await sync.close()
+            await client.close()
+        assert os.listdir(tmp_path) == [], "a pushed directory was left behind"
+
+    asyncio.run(asyncio.wait_for(main(), 240))
 
 
 @pytest.mark.slow
@@ -381,12 +442,16 @@ def test_an_engine_killed_during_a_distributed_update_gives_an_error_naming_it_n
 
 
 @pytest.mark.slow
-def test_a_replica_lost_mid_push_is_skipped_and_restarts_with_the_pushed_weights(pool, policy):
+@pytest.mark.parametrize("source", ["mapping", "stream"])
+def test_a_replica_lost_mid_push_is_skipped_and_restarts_with_the_pushed_weights(pool, policy, source):
     """With the supervisor (``rollout.engine_restart``), a replica killed during a ``distributed``
-    push leaves the serving set: the group is formed again with the other and the push completes;
-    the restarted replica gets the kept weights and its checksums match them."""
+    push leaves the serving set: the group is formed again with the other and the push completes
+    (a mapping from its first bucket; a ``TensorStream``, which cannot be taken twice, from the
+    bucket that was being broadcast); the restarted replica gets the kept weights and its checksums
+    match them."""
     model, _ = policy
     new = perturbed(model, seed=5)
+    restarts = pool.events.count("engine_restarted")
 
     async def push(tensors, version, victim=None):
         client = pool.client(admin_timeout_s=60)
@@ -399,11 +464,12 @@ def test_a_replica_lost_mid_push_is_skipped_and_restarts_with_the_pushed_weights
             await sync.close()
 
     with pool.sync_lock:  # as the runtime: a replica restarting meanwhile joins after this version
-        kept, members = asyncio.run(asyncio.wait_for(push(new, 4, victim=pool.servers[1]), 120))
+        pushed = TensorStream.from_mapping(new) if source == "stream" else new
+        kept, members = asyncio.run(asyncio.wait_for(push(pushed, 4, victim=pool.servers[1]), 120))
         pool.keep_weights(kept)
     assert members == [pool.worker_urls[0]]  # formed again without the lost one
     deadline = time.monotonic() + 120
-    while "engine_restarted" not in pool.events or len(pool.workers.urls) < 2:
+    while pool.events.count("engine_restarted") == restarts or len(pool.workers.urls) < 2:
         assert time.monotonic() < deadline, pool.events
         time.sleep(0.1)
 

@@ -21,7 +21,7 @@ from lightning_fasync.algorithms.losses import (
     masked_mean,
     ppo_clip_token_loss,
 )
-from lightning_fasync.algorithms.metrics import METRIC_KEYS, grad_norm_metric
+from lightning_fasync.algorithms.metrics import METRIC_KEYS, clip_grad_norm, grad_norm_metric, total_grad_norm
 from lightning_fasync.algorithms.policy_loss import LOSS_METRIC_KEYS, REF_METRIC_KEYS, compute_policy_loss, policy_loss
 from lightning_fasync.algorithms.snapshot import OldActorSnapshot
 from lightning_fasync.algorithms.staleness import (
@@ -44,6 +44,7 @@ __all__ = [
     "VERSION_LAG_KEYS",
     "aggregate_loss",
     "approx_kl_k3",
+    "clip_grad_norm",
     "compute_advantages",
     "compute_policy_loss",
     "grad_norm_metric",
@@ -59,6 +60,7 @@ __all__ = [
     "ppo_clip_token_loss",
     "prox_log_probs_loglinear",
     "sequence_mean_kl",
+    "total_grad_norm",
     "version_lag",
     "version_lag_metrics",
 ]

@@ -6,7 +6,7 @@ each works on ``[batch, T]`` padded tensors and is usable on its own.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -36,7 +36,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return picked.sum() / mask.sum().clamp(min=1).to(values.dtype)
 
 
-def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+                   normalizer: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss to a scalar.
 
     Modes (``algorithm.loss_agg_mode``):
@@ -56,6 +57,9 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
         mask: ``[B, T]`` valid tokens (the normaliser). Entries outside it are ignored even if
             non-finite.
         mode: One of :data:`LOSS_AGG_MODES`.
+        normalizer: the denominator from this batch's count (tokens or sequences); default
+            ``count.clamp(min=1)``. Data-parallel training passes :func:`data_parallel_normalizer`,
+            so that the averaged gradients of the ranks' shares are those of the whole batch.
 
     Raises:
         ValueError: on an unknown ``mode`` or a shape mismatch.
@@ -69,16 +73,33 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
     mask = mask if mask.dtype == torch.bool else mask != 0
     zero = torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
     picked = torch.where(mask, loss_mat, zero)
+    norm = normalizer if normalizer is not None else (lambda count: count.clamp(min=1))
     if mode == "token-mean":
-        return picked.sum() / mask.sum().clamp(min=1).to(loss_mat.dtype)
+        return picked.sum() / norm(mask.sum()).to(loss_mat.dtype)
     tokens_per_seq = mask.sum(dim=-1)
     nonempty = tokens_per_seq > 0
-    num_seqs = nonempty.sum().clamp(min=1).to(loss_mat.dtype)
+    num_seqs = norm(nonempty.sum()).to(loss_mat.dtype)
     seq_sum = picked.sum(dim=-1)
     if mode == "seq-mean-token-sum":
         return seq_sum.sum() / num_seqs
     seq_mean = seq_sum / tokens_per_seq.clamp(min=1).to(loss_mat.dtype)
     return seq_mean.sum() / num_seqs
+
+
+def data_parallel_normalizer(size: int, group: Any = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The loss denominator for one of ``size`` data-parallel ranks (process ``group``; None: the
+    global one): the batch's count summed over the ranks (clamped to >= 1), divided by ``size``.
+    Each rank's loss is then ``sum(local) * size / total``, and the ranks' mean gradient (what DDP
+    and FSDP average) is the gradient of ``sum(all) / total``: the single-process loss of the whole
+    batch, whatever each rank's share of tokens. One small all-reduce per call (main thread)."""
+    import torch.distributed as dist
+
+    def normalize(count: torch.Tensor) -> torch.Tensor:
+        total = count.detach().to(torch.float64).reshape(1).clone()
+        dist.all_reduce(total, group=group)
+        return (total.clamp(min=1) / size).reshape(())
+
+    return normalize
 
 
 def ppo_clip_token_loss(

@@ -6,7 +6,7 @@ them from an :class:`~lightning_fasync.config.AlgorithmConfig` (``algorithm.*``)
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -87,6 +87,7 @@ def policy_loss(
     m2po_tau: float = 0.04,
     opsm_enable: bool = False,
     opsm_delta: float = 1e-4,
+    normalizer: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with IS correction, M2PO, OPSM, entropy and KL terms.
 
@@ -129,6 +130,9 @@ def policy_loss(
         is_enable, is_level, is_mode, is_c, is_c_low, is_c_high: ``algorithm.is_correction.*``.
         m2po_enable, m2po_tau: ``algorithm.m2po.*``.
         opsm_enable, opsm_delta: ``algorithm.opsm.*``.
+        normalizer: the aggregation's denominator from a count (see
+            :func:`~lightning_fasync.algorithms.losses.aggregate_loss`); data-parallel training
+            passes :func:`~lightning_fasync.algorithms.losses.data_parallel_normalizer`.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor and a dict of Python floats with the keys
@@ -230,11 +234,11 @@ def policy_loss(
         lp, old, adv, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
     )
     pg_weight = torch.where(keep, weights.detach(), zero)
-    pg_loss = aggregate_loss(tok_loss * pg_weight, mask, loss_agg_mode)
+    pg_loss = aggregate_loss(tok_loss * pg_weight, mask, loss_agg_mode, normalizer)
     loss = pg_loss
     if entropy is not None:
         ent = clean(entropy)
-        ent_term = aggregate_loss(ent, mask, loss_agg_mode)
+        ent_term = aggregate_loss(ent, mask, loss_agg_mode, normalizer)
         if entropy_coef != 0:
             loss = loss - entropy_coef * ent_term
         entropy_metric = masked_mean(ent.detach(), mask)
@@ -244,7 +248,7 @@ def policy_loss(
     if ref_log_probs is not None:
         # Also with kl_coef == 0 (a reference kept for monitoring): reported, not in the loss.
         with torch.set_grad_enabled(kl_coef != 0 and torch.is_grad_enabled()):
-            kl_term = aggregate_loss(k3_kl(lp, clean(ref_log_probs.detach())), mask, loss_agg_mode)
+            kl_term = aggregate_loss(k3_kl(lp, clean(ref_log_probs.detach())), mask, loss_agg_mode, normalizer)
         if kl_coef != 0:
             loss = loss + kl_coef * kl_term
         metrics["train/ref_kl"] = kl_term.detach()
@@ -277,6 +281,7 @@ def compute_policy_loss(
     entropy: Optional[torch.Tensor] = None,
     ref_log_probs: Optional[torch.Tensor] = None,
     nan_mask: Optional[torch.Tensor] = None,
+    normalizer: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """:func:`policy_loss` configured from ``algorithm.*`` (an :class:`AlgorithmConfig`).
 
@@ -294,6 +299,7 @@ def compute_policy_loss(
         entropy=entropy,
         ref_log_probs=ref_log_probs,
         nan_mask=nan_mask,
+        normalizer=normalizer,
         clip_low=cfg.clip_low,
         clip_high=cfg.clip_high,
         dual_clip=cfg.dual_clip,

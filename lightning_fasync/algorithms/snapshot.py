@@ -31,6 +31,23 @@ def _local_tensor(param: torch.Tensor) -> torch.Tensor:
     return data
 
 
+def _reshard_fsdp(module: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 module in ``module``, registering its shards.
+
+    FSDP2 keeps a module's gathered (unsharded) parameters after forward when it does not reshard
+    after forward (``reshard_after_forward=False``; the root by default). Those are then what
+    ``parameters()`` yields, and the next forward reuses them without gathering again: the swap
+    must act on the shards, and a gathered copy of the swapped-in weights must not outlive the block.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch build without distributed
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 class OldActorSnapshot:
     """Step-start weights of a module, kept on CPU, swapped in parameter by parameter on demand.
 
@@ -114,6 +131,7 @@ class OldActorSnapshot:
     # ---- snapshot and swap -------------------------------------------------------------------
 
     def _params(self) -> list[torch.Tensor]:
+        _reshard_fsdp(self.module)
         return [_local_tensor(p) for p in self.module.parameters()]
 
     def _allocate(self, tensors: list[torch.Tensor]) -> None:
@@ -187,7 +205,9 @@ class OldActorSnapshot:
                 done = i + 1
             yield True
         finally:
-            # Swap back exactly what was swapped in, even if the block (or a swap) raised.
+            # Swap back exactly what was swapped in, even if the block (or a swap) raised; FSDP2's
+            # gathered copies of the old weights are dropped first.
+            _reshard_fsdp(self.module)
             for i in range(done):
                 self._swap_one(tensors[i], self._buffers[i])
             if any(t.device.type == "cuda" for t in tensors):

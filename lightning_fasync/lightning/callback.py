@@ -33,17 +33,18 @@ from typing_extensions import override
 
 from lightning_fasync.config import ConfigError, FasyncConfig, colocate_offload_enabled, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
-from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_hparams, check_resume, run_identity
+from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_hparams, check_resume, run_identity, save_hf
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
 from lightning_fasync.lightning.preemption import Preemption
-from lightning_fasync.lightning.resources import plan_cpu_resources
+from lightning_fasync.lightning.ranks import check_minibatch_share, data_parallel, dp_share, reduce_metrics
+from lightning_fasync.lightning.resources import pin_trainer, plan_cpu_resources, trainer_share
 from lightning_fasync.lightning.runtime import RolloutRuntime
 from lightning_fasync.pipeline.controller import FullyAsyncController, StepSchedule
 from lightning_fasync.pipeline.datasource import DataSource
 from lightning_fasync.pipeline.engine_client import EngineClient
 from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
-from lightning_fasync.pipeline.metrics import aggregation_rule
 from lightning_fasync.pipeline.state import PipelineError
+from lightning_fasync.rollout.tensor_stream import TensorStream
 
 PROGRESS_KEYS = {
     "rollout/reward_mean": "reward",
@@ -53,14 +54,16 @@ PROGRESS_KEYS = {
 
 
 def _refuse_sharded(strategy: Any) -> None:
-    """Sharded strategies need every rank in the weight sync's state-dict gather; until that
-    path exists, refuse them up front rather than hang at the first step boundary."""
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+    """Refuse, before anything starts, the sharded strategies the weight sync cannot gather from:
+    the legacy ``FSDPStrategy`` (FSDP1 flat parameters, CUDA only) and DeepSpeed. Lightning's
+    ``ModelParallelStrategy`` (FSDP2 + tensor parallel, DTensor parameters) is supported."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
-    if isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)):
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
         raise ConfigError(
-            f"`trainer.strategy` is {type(strategy).__name__}; FullyAsyncCallback supports single-device and DDP "
-            "training (a sharded strategy would need every rank in the weight sync's state-dict gather)."
+            f"`trainer.strategy` is {type(strategy).__name__}, which FullyAsyncCallback cannot gather weights from; "
+            "use ModelParallelStrategy for sharded training (FSDP2 and tensor parallel: --trainer.strategy="
+            "ModelParallelStrategy --trainer.strategy.data_parallel_size=N), or DDP."
         )
 
 
@@ -109,6 +112,7 @@ class FullyAsyncCallback(Callback):
         self.schedule = StepSchedule.from_config(self.cfg)  # rank 0 uses the controller's own
         self._pending_state: Optional[dict[str, Any]] = None
         self._rank, self._world = 0, 1
+        self._dp_rank, self._dp_size, self._dp_group = 0, 1, None
         self._step = 0  # the rollout step every rank is training
         self._trainer: Optional[pl.Trainer] = None
         self._hooks: Optional[FullyAsyncHooks] = None
@@ -140,13 +144,14 @@ class FullyAsyncCallback(Callback):
         self.log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
         self._files = CheckpointFiles(os.path.join(self.log_dir, "checkpoints"), cfg.trainer.save_keep_last)
         self._rank, self._world = trainer.global_rank, trainer.world_size
+        if self._world > 1:
+            self._dp_rank, self._dp_size, self._dp_group = data_parallel(trainer.strategy)
         self._offload = colocate_offload_enabled(cfg, trainer.strategy.root_device.type)
-        if self._world > 1 and cfg.groups_per_minibatch % self._world:
-            raise ConfigError(
-                f"`trainer.mini_batch_size` is {cfg.M}: each training call has M // N = {cfg.groups_per_minibatch} "
-                f"groups, which {self._world} data-parallel ranks cannot share evenly; make M // N a multiple of "
-                "the world size."
-            )
+        check_minibatch_share(cfg, self._dp_size)
+        if self._world > 1:
+            plan = trainer_share(plan, trainer.local_rank, trainer.strategy.num_processes)
+            if self._rank != 0 and trainer.strategy.root_device.type == "cpu":
+                pin_trainer(plan.trainer_cores, plan.trainer_threads)  # rank 0 pins itself once its engines run
         if self._rank != 0:
             # Only global rank 0 runs engines, producer and collector (docs/contract.md, "Processes").
             return
@@ -206,8 +211,10 @@ class FullyAsyncCallback(Callback):
                     logger.log_metrics(val, step=at)
             ctl.start(self)
             step = ctl.rollout_step
-        elif self._offload:  # rank 0's controller does it in start()
-            self._require_hooks().offload_train(trainer.optimizers)
+        else:
+            if self._offload:  # rank 0's controller does it in start()
+                self._require_hooks().offload_train(trainer.optimizers)
+            self._follow_sync()
         self._step = self._broadcast(trainer, step)
         self._require_hooks().begin_rollout_step(self._step)
 
@@ -226,8 +233,9 @@ class FullyAsyncCallback(Callback):
         if ctl is None and self._offload and self.schedule.calls == 0:  # rank 0's controller does it in fetch()
             hooks.onload_train(trainer.optimizers)
         if self._world > 1:
-            # Rank 0 fetched on its main thread; every rank trains on its share of the mini-batch.
-            groups = self._broadcast(trainer, groups)[self._rank :: self._world]
+            # Rank 0 fetched on its main thread; every data-parallel rank trains on its share of
+            # the mini-batch (tensor-parallel peers on the same share).
+            groups = dp_share(self._broadcast(trainer, groups), self._dp_rank, self._dp_size)
         batch.groups = groups
         batch.rollout_step = self._step
         batch.call_index, batch.calls_per_step = self.schedule.calls, self.schedule.calls_per_step
@@ -245,7 +253,7 @@ class FullyAsyncCallback(Callback):
             ctl.end_train()
         metrics = dict(self._require_hooks().rollout_metrics())
         if self._world > 1:
-            metrics = self._reduce(trainer, metrics)
+            metrics = reduce_metrics(metrics, self._dp_size, self._dp_group, trainer.strategy.root_device)
         if ctl is not None:
             ctl.record(metrics)
         if not self.schedule.call_done():
@@ -269,6 +277,7 @@ class FullyAsyncCallback(Callback):
                 self.save_checkpoint(self._step)
             if self._offload:  # after the checkpoint, as rank 0's controller in step_boundary
                 self._require_hooks().offload_train(trainer.optimizers)
+            self._follow_sync()  # rank 0's controller syncs at every boundary
         if preempted:
             raise self.preemption.stop(self._files.path(self._step) if self._files is not None else None)
         if lost:
@@ -279,32 +288,17 @@ class FullyAsyncCallback(Callback):
     def _broadcast(self, trainer: pl.Trainer, obj: Any) -> Any:
         return trainer.strategy.broadcast(obj, src=0) if self._world > 1 else obj
 
-    @staticmethod
-    def _reduce(trainer: pl.Trainer, metrics: dict[str, float]) -> dict[str, float]:
-        """Reduce one training call's metrics over ranks by the spec's naming rule (main thread)."""
-        import torch
-        import torch.distributed as dist
-
-        keys = sorted(metrics)
-        out: dict[str, float] = {}
-        for rule, op in (("mean", dist.ReduceOp.SUM), ("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
-            names = [k for k in keys if aggregation_rule(k) == rule]
-            if not names:
-                continue
-            t = torch.tensor([metrics[k] for k in names], dtype=torch.float64, device=trainer.strategy.root_device)
-            dist.all_reduce(t, op=op)
-            if rule == "mean":
-                t /= trainer.world_size
-            out.update(zip(names, t.tolist()))
-        return out
-
     # ------------------------------------------------------------------ StepHooks
 
     def save_checkpoint(self, step: int) -> None:
         trainer, files = self._trainer, self._files
         assert trainer is not None and files is not None
-        # Every rank calls save_checkpoint (collectives); global rank 0 writes, renames and links.
+        # Every rank calls save_checkpoint (collectives); global rank 0 writes, renames and links
+        # (a distributed checkpoint: every rank writes its part of the directory).
         files.save(step, lambda path: trainer.save_checkpoint(path, weights_only=False), trainer.is_global_zero)
+        if self.cfg.trainer.save_hf:
+            save_hf(self._require_hooks().engine_state_dict(), self.engine_model or self._require_hooks().engine_model,
+                    files.hf_path(step), trainer.is_global_zero)
 
     def _check_preemption(self) -> None:
         """Abandon the step if a signal's grace period is over (rank 0's main thread decides; the
@@ -315,7 +309,19 @@ class FullyAsyncCallback(Callback):
     def sync_weights(self, version: int) -> None:
         runtime = self.runtime
         assert runtime is not None
-        runtime.sync_weights(self._require_hooks().engine_state_dict(), version)
+        weights = self._require_hooks().engine_state_dict()
+        try:
+            runtime.sync_weights(weights, version)
+        finally:
+            if isinstance(weights, TensorStream):  # what a failed push left: the other ranks gather it too
+                weights.drain()
+
+    def _follow_sync(self) -> None:
+        """A rank other than 0 at rank 0's weight sync: a sharded module's stream is gathered by
+        every rank, so this rank takes its part and drops the tensors."""
+        weights = self._require_hooks().engine_state_dict()
+        if isinstance(weights, TensorStream):
+            weights.drain()
 
     # ------------------------------------------------------------------ ColocateHooks (colocate_offload)
 

@@ -1,6 +1,7 @@
 """Checkpoint files: atomic saves, a ``last.ckpt`` link, retention, and the run's identity.
 
-A save writes ``step-NNNNNN.ckpt`` under a temporary name, fsyncs it, renames it into place and
+A save writes ``step-NNNNNN.ckpt`` (a file, or a distributed checkpoint's directory, whose
+every rank writes its part) under a temporary name, fsyncs it, renames it into place and
 fsyncs the directory; only then does ``last.ckpt`` move to it (a relative symlink, replaced
 atomically; a one-line pointer file ``last.ckpt.path`` where links are unavailable) and are
 periodic checkpoints beyond ``trainer.save_keep_last`` removed. A kill or a full disk during a save
@@ -18,6 +19,7 @@ import errno
 import glob
 import os
 import re
+import shutil
 import warnings
 from dataclasses import asdict
 from typing import Any, Callable, Mapping, Optional
@@ -50,6 +52,35 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def _fsync_tree(path: str) -> None:
+    """fsync a checkpoint file, or a distributed checkpoint's directory and every file in it."""
+    if os.path.isdir(path):
+        for root, _, files in os.walk(path):
+            for name in files:
+                _fsync(os.path.join(root, name))
+            _fsync(root)
+    else:
+        _fsync(path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def _replace(src: str, dst: str) -> None:
+    """``os.replace`` for a file or a directory (a directory in the way is moved aside first, then removed)."""
+    if os.path.isdir(dst) and not os.path.islink(dst):
+        aside = f"{dst}.old-{os.getpid()}"
+        os.replace(dst, aside)
+        os.replace(src, dst)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
 class CheckpointFiles:
     """The checkpoints of one run directory (``<log_dir>/checkpoints``).
 
@@ -64,6 +95,10 @@ class CheckpointFiles:
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, f"step-{step:06d}.ckpt")
+
+    def hf_path(self, step: int) -> str:
+        """Where ``trainer.save_hf`` writes step ``step``'s Hugging Face directory (pruned with it)."""
+        return os.path.join(self.directory, f"step-{step:06d}.hf")
 
     def save(self, step: int, write: Callable[[str], None], is_writer: bool = True) -> str:
         """Write step ``step``'s checkpoint through ``write(path)``, atomically; returns its path.
@@ -83,12 +118,12 @@ class CheckpointFiles:
         try:
             write(tmp)
             if is_writer:
-                _fsync(tmp)
-                os.replace(tmp, final)
+                _fsync_tree(tmp)
+                _replace(tmp, final)
                 _fsync(self.directory)
         except OSError as exc:
-            if is_writer and os.path.exists(tmp):
-                os.unlink(tmp)
+            if is_writer and os.path.lexists(tmp):
+                _remove(tmp)
             cause = errno.errorcode.get(exc.errno, "") if exc.errno else ""
             previous = self.last()
             raise CheckpointError(
@@ -140,9 +175,11 @@ class CheckpointFiles:
     def _prune(self, keep: str) -> None:
         if self.keep_last is None:
             return
-        old = [path for _, path in self.steps() if path != keep]
-        for path in old[: max(0, len(old) - (self.keep_last - 1))]:
-            os.unlink(path)
+        old = [(step, path) for step, path in self.steps() if path != keep]
+        for step, path in old[: max(0, len(old) - (self.keep_last - 1))]:
+            _remove(path)
+            if os.path.isdir(self.hf_path(step)):
+                _remove(self.hf_path(step))
 
 
 def find_last(root: str) -> Optional[str]:
@@ -218,3 +255,32 @@ def check_hparams(saved: Optional[Mapping[str, Any]], current: Mapping[str, Any]
     if changed:
         listed = ", ".join(f"model.{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in changed)
         warnings.warn(f"Resuming from {where} with changed settings: {listed}.", stacklevel=2)
+
+
+# ------------------------------------------------------------------------------ trainer.save_hf
+
+
+def save_hf(weights: Any, model: Optional[str], out: str, is_writer: bool) -> None:
+    """``trainer.save_hf``: write the policy beside its checkpoint as a Hugging Face directory.
+
+    Every rank calls this with what ``engine_state_dict()`` gave it: a stream (a sharded module)
+    is gathered by every rank, and only ``is_writer`` (global rank 0) keeps and writes the
+    tensors, shard by shard; the others drain it. A mapping is written as it is.
+    """
+    from lightning_fasync.rollout.tensor_stream import TensorStream
+
+    stream = weights if isinstance(weights, TensorStream) else None
+    try:
+        if is_writer:
+            from lightning_fasync.lightning.export import save_hf_from_stream
+            from lightning_fasync.rollout.weight_sync import unique_tensors
+
+            if not model:
+                raise ConfigError("`trainer.save_hf` needs to know the policy's model (the module's engine_model).")
+            if os.path.isdir(out):  # this step's, from a run that stopped after writing it
+                shutil.rmtree(out)
+            save_hf_from_stream(stream if stream is not None else TensorStream.from_mapping(unique_tensors(weights)),
+                                model, out)
+    finally:
+        if stream is not None:  # the other ranks' gathers need this rank's part, whatever happened
+            stream.drain()

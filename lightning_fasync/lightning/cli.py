@@ -63,10 +63,13 @@ class FasyncCLI(LightningCLI):
             del trainer_ns[key]
 
     def instantiate_trainer(self, **kwargs: Any):
-        callbacks = list(kwargs.pop("callbacks", None) or [])
+        init = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        # The config's own --trainer.callbacks first: LightningCLI lets a `callbacks` argument replace them.
+        configured = init["trainer"].get("callbacks") or []
+        callbacks = list(configured if isinstance(configured, list) else [configured])
+        callbacks += list(kwargs.pop("callbacks", None) or [])
         if not any(isinstance(c, FullyAsyncCallback) for c in callbacks):
             callbacks.append(FullyAsyncCallback(self.fasync_config))
-        init = self.config_init[self.subcommand] if self.subcommand else self.config_init
         bar = kwargs.get("enable_progress_bar", init["trainer"].get("enable_progress_bar"))
         if bar is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(RolloutProgressBar(self.fasync_config.minibatches_per_step))

@@ -14,25 +14,59 @@ Fabric also calls hooks on a LightningModule it set up, whose ``on_train_*`` tak
 Checkpoints are written atomically with retention and a ``last.ckpt`` link, and carry the run's
 identity (:mod:`~lightning_fasync.lightning.checkpoints`); SIGTERM or SIGINT finishes the step,
 saves a checkpoint and exits with status 128 + signal (:mod:`~lightning_fasync.lightning.preemption`).
+
+Several processes (Fabric's DDP, or ``ModelParallelStrategy`` for FSDP2 and tensor parallel): only
+global rank 0 builds the rollout side and runs :meth:`FullyAsyncController.run_step`. From inside
+the callbacks the controller calls (``prepare``, ``train``, ``save_checkpoint``, ``sync_weights``)
+and around each step, rank 0 broadcasts what the other ranks do next; they do exactly that, in
+that order, so every collective matches by construction:
+
+- ``batch``: the call's groups. Every data-parallel rank trains on its share
+  (``groups[dp_rank::dp_size]``; tensor-parallel peers on the same share) with ``fabric.backward``
+  and the optimizer step, and the call's metrics are all-reduced over the data-parallel group by the
+  spec's naming rule (:mod:`~lightning_fasync.lightning.ranks`). At the step's last call the ranks
+  also agree whether any of them got SIGTERM or SIGINT, so a signal to any rank makes that
+  boundary save and end the run.
+- ``save``: rank 0's boundary saves. The message carries the pipeline state, so every rank gives
+  ``fabric.save`` the same state (each writes its part of a distributed checkpoint).
+- ``sync``: every rank calls ``engine_state_dict()``; a sharded module's stream
+  (:class:`~lightning_fasync.rollout.tensor_stream.TensorStream`) is pushed by rank 0 and drained
+  by the others, tensor by tensor.
+- ``start``, ``step``, ``step_end``, ``end``: the Fabric callbacks fire on every rank (metrics are
+  logged by rank 0).
+- ``abort``: rank 0 failed, or stopped on a signal, while the others waited for its next word.
+  They raise too, once rank 0 has stopped its engines: :class:`Preempted` with rank 0's exit
+  status, else a ``PipelineError`` naming rank 0's error.
+
+A failure on rank 0 in the middle of a collective (a training call, a checkpoint write, a weight
+gather) cannot be announced: the others' collective fails when rank 0's process exits (its
+connections close), or after the process group's timeout if it hangs (Fabric strategies'
+``timeout=``, 30 minutes by default). The other ranks also wait for rank 0's next word while it
+starts the engines, fetches (up to ``fully_async.fetch_timeout``) and evaluates: keep the process
+group's timeout above those.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from lightning_fasync.config import ConfigError, FasyncConfig, colocate_offload_enabled, load_config, validate
+from lightning_fasync.config import FasyncConfig, colocate_offload_enabled, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
-from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_resume, run_identity
+from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_resume, run_identity, save_hf
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
-from lightning_fasync.lightning.preemption import Preemption
-from lightning_fasync.lightning.resources import plan_cpu_resources
+from lightning_fasync.lightning.preemption import Preempted, Preemption
+from lightning_fasync.lightning.ranks import check_minibatch_share, data_parallel, dp_share, reduce_metrics
+from lightning_fasync.lightning.resources import pin_trainer, plan_cpu_resources, trainer_share
 from lightning_fasync.lightning.runtime import RolloutRuntime
 from lightning_fasync.pipeline.datasource import DataSource
 from lightning_fasync.pipeline.engine_client import EngineClient
 from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
+from lightning_fasync.pipeline.state import PipelineError
+from lightning_fasync.rollout.tensor_stream import TensorStream
 from lightning_fasync.types import TrajectoryGroup
 
 
@@ -40,11 +74,13 @@ class FullyAsyncFabricLoop:
     """Train a Fabric-wrapped policy on fully-async (or colocate) rollouts.
 
     Arguments:
-        fabric: the ``lightning.Fabric`` instance (its loggers get the step metrics).
+        fabric: the ``lightning.Fabric`` instance, launched (its loggers get the step metrics, on
+            global rank 0).
         config: the plugin config (a :class:`FasyncConfig` or a dict of its keys).
-        log_dir: where the event log, the ledger and checkpoints go.
+        log_dir: where the event log, the ledger and checkpoints go (the same path on every rank).
         engine_startup_timeout, admin_timeout: as for ``FullyAsyncCallback``.
-        datasource, reward, flow, client: rollout-side objects to use instead of the config's.
+        datasource, reward, flow, client: rollout-side objects to use instead of the config's
+            (used by global rank 0 only).
     """
 
     def __init__(
@@ -72,6 +108,15 @@ class FullyAsyncFabricLoop:
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self.files = CheckpointFiles(os.path.join(log_dir, "checkpoints"), self.cfg.trainer.save_keep_last)
         self._saved_step: Optional[int] = None
+        self._engine_model: Optional[str] = None
+        self._training_step: Optional[Callable[[RolloutBatch], torch.Tensor]] = None
+        self._preemption: Optional[Preemption] = None
+        self._rank, self._world = 0, 1
+        self._dp_rank, self._dp_size, self._dp_group = 0, 1, None
+        # Rank 0: whether the other ranks wait for its next word (not inside a collective it began).
+        self._listening = True
+        self._offload = False  # colocate_offload on this device
+        self._onloaded = False  # a rank > 0 holds its training state on the device (colocate_offload)
 
     @property
     def controller(self):
@@ -86,63 +131,82 @@ class FullyAsyncFabricLoop:
         engine_model: Optional[str] = None,
         state: Optional[Mapping[str, Any]] = None,
     ) -> None:
-        """Run ``rollout_steps`` outer steps.
+        """Run ``rollout_steps`` outer steps. Every rank calls it with the same arguments (several
+        processes: see the module docstring).
 
         Arguments:
-            model, optimizer: as returned by ``fabric.setup``; the module implements
-                ``FullyAsyncHooks``.
+            model, optimizer: as returned by ``fabric.setup`` (or ``setup_module`` and
+                ``setup_optimizers``); the module implements ``FullyAsyncHooks``.
             rollout_steps: outer steps to run.
-            training_step: ``batch -> loss`` for one training call (default: the module's
-                ``training_step(batch, call_index)``); the loop does ``fabric.backward``,
-                ``optimizer.step`` and ``zero_grad``, and takes the call's metrics from
-                ``rollout_metrics()``.
+            training_step: ``batch -> loss`` for one training call on this rank's share (default:
+                the module's ``training_step(batch, call_index)``); the loop does
+                ``fabric.backward``, ``optimizer.step`` and ``zero_grad``, and takes the call's
+                metrics from ``rollout_metrics()``.
             engine_model: what the engines load (default: the module's ``engine_model``).
             state: a checkpoint's ``"fasync"`` entry, to resume the pipeline (a change of the
                 config that breaks exactly-once accounting is refused; see ``check_resume``).
+                Only global rank 0 reads it. To resume, every rank restores model and optimizer
+                with ``fabric.load`` (a collective with several processes; each rank reads its
+                part of a distributed checkpoint) and passes what remains::
+
+                    rest = fabric.load(loop.files.last(), {"model": model, "optimizer": optimizer})
+                    loop.fit(model, optimizer, rollout_steps, state=rest["fasync"])
+
+        Raises:
+            ConfigError: M // N groups per training call cannot be shared evenly by the
+                data-parallel ranks, or ``state`` was saved by a run this one cannot continue.
+            Preempted: SIGTERM or SIGINT (on any rank) ended the run after a checkpoint.
+            PipelineError: on a rank other than 0, rank 0 failed (its error is named).
         """
         fabric, cfg = self.fabric, self.cfg
-        if fabric.world_size > 1:
-            raise ConfigError(
-                f"FullyAsyncFabricLoop runs in one process; Fabric has world_size {fabric.world_size} (use "
-                "FullyAsyncCallback with the DDP strategy for data-parallel training)."
-            )
         hooks = require_hooks(model, "FullyAsyncFabricLoop")
         hooks.check_fasync_config(cfg)
-        if state is not None:
-            check_resume(state.get("identity"), run_identity(cfg, model), "the checkpoint given as state")
+        self._rank, self._world = fabric.global_rank, fabric.world_size
+        if self._world > 1:
+            self._dp_rank, self._dp_size, self._dp_group = data_parallel(fabric.strategy)
+            check_minibatch_share(cfg, self._dp_size)
         self._model, self._hooks, self._optimizer = model, hooks, optimizer
+        self._engine_model = engine_model or hooks.engine_model
+        self._offload = colocate_offload_enabled(cfg, fabric.device.type)
         if training_step is None:
             calls = iter(range(1 << 62))
             training_step = lambda batch: model.training_step(batch, next(calls))  # noqa: E731
+        self._training_step = training_step
         plan = plan_cpu_resources(1, colocate=not cfg.fully_async.enable)
-        self.runtime = RolloutRuntime(
-            cfg, engine_model or hooks.engine_model, plan, self.log_dir, pin=fabric.device.type == "cpu",
-            engine_startup_timeout=self.engine_startup_timeout, admin_timeout=self.admin_timeout,
-            colocate_offload=colocate_offload_enabled(cfg, fabric.device.type), **self._rollout_side,
-        )
-        ctl = self.runtime.controller
-        preemption = Preemption(cfg.trainer.preempt_grace_s, on_request=lambda: setattr(ctl.schedule, "force_save", True))
-        ctl.state.interrupt = lambda: preemption.check(self.files.last)
+        if self._world > 1:  # every trainer process the same thread count (see trainer_share)
+            plan = trainer_share(plan, fabric.local_rank, fabric.strategy.num_processes)
+        if self._rank != 0:
+            if fabric.device.type == "cpu":
+                pin_trainer(plan.trainer_cores, plan.trainer_threads)
+            self._follow()
+            return
+        ctl: Any = None  # the controller, once the rollout side is up
+
+        def on_signal() -> None:  # in the handler: only a flag (the boundary saves and the run ends)
+            if ctl is not None:
+                ctl.schedule.force_save = True
+
+        self._preemption = preemption = Preemption(cfg.trainer.preempt_grace_s, on_request=on_signal)
 
         def prepare(groups: list[TrajectoryGroup]) -> RolloutBatch:
-            fabric.call("on_rollout_batch_start", loop=self, groups=groups)
-            return RolloutBatch(groups=groups, rollout_step=ctl.rollout_step, data=hooks.prepare_rollout_batch(groups),
-                                call_index=ctl.schedule.calls, calls_per_step=ctl.schedule.calls_per_step)
+            preemption.check(self.files.last)  # before the other ranks start the call's collectives
+            at = {"step": ctl.rollout_step, "call": ctl.schedule.calls, "calls": ctl.schedule.calls_per_step}
+            self._send("batch", groups=groups, **at)
+            return self._prepare(groups, **at)
 
-        def train(batch: RolloutBatch) -> dict[str, float]:
-            preemption.check(self.files.last)
-            loss = training_step(batch)
-            fabric.backward(loss)
-            fabric.call("on_before_optimizer_step", optimizer)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            metrics = dict(hooks.rollout_metrics())
-            fabric.call("on_rollout_batch_end", loop=self, metrics=metrics)
-            return metrics
-
-        ok = False
+        ok, aborted = False, False
         preemption.install()
         try:
+            if state is not None:
+                check_resume(state.get("identity"), run_identity(cfg, model), "the checkpoint given as state")
+            self.runtime = RolloutRuntime(
+                cfg, self._engine_model, plan, self.log_dir, pin=fabric.device.type == "cpu",
+                engine_startup_timeout=self.engine_startup_timeout, admin_timeout=self.admin_timeout,
+                colocate_offload=self._offload, **self._rollout_side,
+            )
+            ctl = self.runtime.controller
+            ctl.schedule.force_save = preemption.requested  # a signal while the engines started
+            ctl.state.interrupt = lambda: preemption.check(self.files.last)
             if state is not None:
                 ctl.load_state_dict(state)
             self.sync_weights(ctl.weight_version)
@@ -151,38 +215,198 @@ class FullyAsyncFabricLoop:
                 at, val = ctl.evaluate_at_start()
                 fabric.log_dict(val, step=at)
             ctl.start(self)
+            self._send("start")
             fabric.call("on_fasync_train_start", loop=self)
             for _ in range(rollout_steps):
-                hooks.begin_rollout_step(ctl.rollout_step)
-                fabric.call("on_rollout_step_start", loop=self, step=ctl.rollout_step)
-                step, step_metrics = ctl.run_step(train, self, prepare=prepare)
+                self._send("step", step=ctl.rollout_step)
+                self._begin_step(ctl.rollout_step)
+                step, step_metrics = ctl.run_step(self._train_call, self, prepare=prepare)
                 fabric.log_dict(step_metrics, step=step)
+                self._send("step_end", step=step, metrics=step_metrics)
                 fabric.call("on_rollout_step_end", loop=self, step=step, metrics=step_metrics)
                 if preemption.requested and self._saved_step == step:  # the boundary saved: stop here
                     raise preemption.stop(self.files.path(step))
                 if ctl.state.fault is not None:  # engines lost for good: the boundary saved; stop
                     raise ctl.state.fault
+            self._send("end")
             fabric.call("on_fasync_train_end", loop=self)
             ok = True
-        except Exception:
-            if self.runtime.engine_lost is not None:
+        except BaseException as exc:
+            if isinstance(exc, Exception) and self.runtime is not None and self.runtime.engine_lost is not None \
+                    and self._listening:
                 self.runtime.save_after_fault(self, self.files.last, self.files.path)
+            aborted = self._abort_followers(exc)
             raise
         finally:
             preemption.restore()
-            self.runtime.shutdown(raise_errors=ok)
+            self._preemption = None
+            try:
+                if self.runtime is not None:
+                    self.runtime.shutdown(raise_errors=ok)
+            finally:
+                if aborted:  # the other ranks wait for this: the engines are down, they may exit now
+                    self._barrier()
+
+    # ------------------------------------------------------------------ one training call (every rank)
+
+    def _begin_step(self, step: int) -> None:
+        self._hooks.begin_rollout_step(step)
+        self.fabric.call("on_rollout_step_start", loop=self, step=step)
+
+    def _prepare(self, groups: list[TrajectoryGroup], step: int, call: int, calls: int) -> RolloutBatch:
+        """This rank's share of a training call's groups, as the batch ``training_step`` gets."""
+        groups = dp_share(groups, self._dp_rank, self._dp_size)
+        self.fabric.call("on_rollout_batch_start", loop=self, groups=groups)
+        return RolloutBatch(groups=groups, rollout_step=step, data=self._hooks.prepare_rollout_batch(groups),
+                            call_index=call, calls_per_step=calls)
+
+    def _train_call(self, batch: RolloutBatch) -> dict[str, float]:
+        """Forward, backward, optimizer step; the call's metrics, reduced over the data-parallel ranks."""
+        fabric, optimizer = self.fabric, self._optimizer
+        loss = self._training_step(batch)
+        fabric.backward(loss)
+        fabric.call("on_before_optimizer_step", optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        metrics = dict(self._hooks.rollout_metrics())
+        if self._world > 1:
+            metrics = reduce_metrics(metrics, self._dp_size, self._dp_group, fabric.device)
+            if batch.call_index == batch.calls_per_step - 1:
+                self._agree_on_signal()
+            self._listening = True
+        fabric.call("on_rollout_batch_end", loop=self, metrics=metrics)
+        return metrics
+
+    def _agree_on_signal(self) -> None:
+        """The step's last call, on every rank: a SIGTERM/SIGINT that any rank got (a launcher may
+        signal only some) makes rank 0's coming boundary save and end the run, as its own would."""
+        import torch.distributed as dist
+
+        preemption = self._preemption
+        mine = preemption.signum if preemption is not None and preemption.signum is not None else 0
+        signum = torch.tensor([mine], dtype=torch.int64, device=self.fabric.device)
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        got = int(signum.item())
+        if self._rank == 0 and got and preemption is not None and not preemption.requested:
+            preemption.signum = got
+            preemption.deadline = time.monotonic() + preemption.grace_s
+            self.controller.schedule.force_save = True
+
+    # ------------------------------------------------------------------ several processes
+
+    def _send(self, kind: str, **payload: Any) -> None:
+        """Rank 0: tell the other ranks what comes next. ``batch``, ``save`` and ``sync`` begin
+        collectives they take part in; until this rank has finished its own part it cannot tell
+        them anything else (``_listening``)."""
+        if self._world == 1:
+            return
+        self.fabric.broadcast((kind, payload), src=0)
+        if kind in ("batch", "save", "sync"):
+            self._listening = False
+
+    def _abort_followers(self, exc: BaseException) -> bool:
+        """Rank 0 failed: tell the other ranks, if they wait for its word. True when they were told."""
+        if self._world == 1 or not self._listening:
+            return False
+        code = exc.code if isinstance(exc, Preempted) else None
+        try:
+            self._send("abort", error=f"{type(exc).__name__}: {exc}", code=code)
+        except Exception:  # noqa: BLE001 - a rank already gone; keep the original error
+            return False
+        return True
+
+    def _barrier(self) -> None:
+        try:
+            self.fabric.barrier()
+        except Exception:  # noqa: BLE001 - a rank already gone; the run is failing anyway
+            pass
+
+    def _receive(self) -> tuple[str, dict[str, Any]]:
+        """A rank > 0: rank 0's next word (a broadcast, bounded by the process group's timeout)."""
+        try:
+            return self.fabric.broadcast(None, src=0)
+        except RuntimeError as exc:  # gloo/NCCL: the timeout, or rank 0's process went away
+            raise PipelineError(
+                f"Rank {self._rank} lost global rank 0 while waiting for its next instruction (it exited, or sent "
+                f"nothing within the process group's timeout, the Fabric strategy's `timeout`): {exc}"
+            ) from exc
+
+    def _follow(self) -> None:
+        """Global rank > 0: do what rank 0 says, in its order, until it says the run ended.
+
+        A signal here is only recorded (rank 0 learns it at the step's last training call and ends
+        the run at that boundary, with a checkpoint); this rank stops when rank 0 says so.
+        """
+        hooks, fabric, optimizers = self._hooks, self.fabric, [self._optimizer]
+        self._preemption = preemption = Preemption(self.cfg.trainer.preempt_grace_s)
+        preemption.install()
+        try:
+            while True:
+                kind, msg = self._receive()
+                if kind == "batch":
+                    if self._offload and not self._onloaded:  # rank 0's controller does it in fetch()
+                        hooks.onload_train(optimizers)
+                        self._onloaded = True
+                    self._train_call(self._prepare(msg["groups"], msg["step"], msg["call"], msg["calls"]))
+                elif kind == "save":
+                    self._save(msg["step"], msg["fasync"])
+                elif kind == "sync":
+                    if self._onloaded:  # after the checkpoint, as rank 0's controller in step_boundary
+                        hooks.offload_train(optimizers)
+                        self._onloaded = False
+                    weights = hooks.engine_state_dict()
+                    if isinstance(weights, TensorStream):  # rank 0 pushes it: take part in each gather
+                        weights.drain()
+                elif kind == "start":
+                    if self._offload:  # rank 0's controller does it in start()
+                        hooks.offload_train(optimizers)
+                    fabric.call("on_fasync_train_start", loop=self)
+                elif kind == "step":
+                    self._begin_step(msg["step"])
+                elif kind == "step_end":
+                    fabric.call("on_rollout_step_end", loop=self, step=msg["step"], metrics=msg["metrics"])
+                elif kind == "end":
+                    fabric.call("on_fasync_train_end", loop=self)
+                    return
+                elif kind == "abort":
+                    self._barrier()  # until rank 0 has stopped its engines
+                    if msg["code"] is not None:
+                        raise Preempted(msg["code"])
+                    raise PipelineError(
+                        f"Global rank 0 stopped the run ({msg['error']}); rank {self._rank} stops with it.")
+                else:
+                    raise PipelineError(f"Global rank 0 sent {kind!r}, which this FullyAsyncFabricLoop does not know.")
+        finally:
+            preemption.restore()
+            self._preemption = None
 
     # ------------------------------------------------------------------ StepHooks
 
     def save_checkpoint(self, step: int) -> None:
-        """Save model, optimizer and pipeline (``"fasync"``, with the run's identity) atomically."""
+        """Save model, optimizer and pipeline (``"fasync"``, with the run's identity) atomically.
+        Rank 0's controller calls it; with several processes every rank saves the same state."""
         fasync = {**self.runtime.controller.state_dict(), "identity": run_identity(self.cfg, self._model)}
+        self._send("save", step=step, fasync=fasync)
+        self._save(step, fasync)
+        self._listening = True
+
+    def _save(self, step: int, fasync: dict[str, Any]) -> None:
+        # Every rank calls fabric.save (a collective); global rank 0 writes, renames and links.
         state = {"model": self._model, "optimizer": self._optimizer, "fasync": fasync}
         self.files.save(step, lambda path: self.fabric.save(path, state), self.fabric.is_global_zero)
+        if self.cfg.trainer.save_hf:
+            save_hf(self._hooks.engine_state_dict(), self._engine_model, self.files.hf_path(step), self.fabric.is_global_zero)
         self._saved_step = step
 
     def sync_weights(self, version: int) -> None:
-        self.runtime.sync_weights(self._hooks.engine_state_dict(), version)
+        self._send("sync", version=version)
+        weights = self._hooks.engine_state_dict()
+        try:
+            self.runtime.sync_weights(weights, version)
+        finally:
+            if isinstance(weights, TensorStream):  # what a failed push left: the other ranks gather it too
+                weights.drain()
+            self._listening = True
 
     # ------------------------------------------------------------------ ColocateHooks (colocate_offload)
 

@@ -9,10 +9,11 @@ drivers require it and call exactly these hooks, nothing looked up by name.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from lightning_fasync.rollout.tensor_stream import TensorStream
 from lightning_fasync.types import TrajectoryGroup
 
 __all__ = ["FullyAsyncHooks", "require_hooks"]
@@ -26,10 +27,14 @@ class FullyAsyncHooks:
     directory. The engines receive the trainer's weights before they generate, so only the
     architecture must match. The driver's own ``engine_model=`` argument takes precedence."""
 
-    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+    def engine_state_dict(self) -> Union[dict[str, torch.Tensor], TensorStream]:
         """The weights pushed to the engines at every step boundary, under the engines' (Hugging
         Face) names. Default: the state dict of the one Hugging Face model the module holds (the
-        module itself or one of its children), so names carry no wrapper prefix."""
+        module itself or one of its children), so names carry no wrapper prefix; when that model
+        is sharded (DTensor parameters), a :class:`TensorStream` that gathers them one at a time.
+
+        Every rank calls this at every weight sync: global rank 0 pushes what it returns, and a
+        stream is drained on every rank, so its collectives match."""
         from transformers import PreTrainedModel
 
         module: Any = self
@@ -42,6 +47,10 @@ class FullyAsyncHooks:
                 f"Cannot tell which weights the engines serve: {type(self).__name__} holds {len(found)} Hugging Face "
                 "models; override engine_state_dict()."
             )
+        from lightning_fasync.lightning.shard_gather import full_tensor_stream, is_sharded
+
+        if is_sharded(found[0]):
+            return full_tensor_stream(found[0])
         return {k: v.detach() for k, v in found[0].state_dict().items()}
 
     def prepare_rollout_batch(self, groups: list[TrajectoryGroup]) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import resource
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_fasync.algorithms import (
     OldActorSnapshot,
+    clip_grad_norm,
     compute_advantages,
     compute_policy_loss,
     grad_norm_metric,
@@ -31,6 +32,8 @@ from lightning_fasync.algorithms import (
 from lightning_fasync.config import REFERENCE_DTYPES, AlgorithmConfig, ConfigError, FasyncConfig, ReferenceConfig
 from lightning_fasync.lightning.batch import PolicyBatch, RolloutBatch, collate_groups, rollout_dataloader
 from lightning_fasync.lightning.hooks import FullyAsyncHooks
+from lightning_fasync.lightning.sharding import MIXED_PRECISION, shard_policy
+from lightning_fasync.rollout.tensor_stream import TensorStream
 from lightning_fasync.types import TrajectoryGroup
 
 
@@ -146,6 +149,11 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             ``warmup_steps`` calls of linear warm-up.
         warmup_steps: training calls of linear warm-up (0: none).
         min_lr_ratio: the decayed schedules' final learning rate, as a share of ``lr``.
+        activation_checkpointing: under ``ModelParallelStrategy``, recompute each decoder layer in
+            backward instead of keeping its activations (Hugging Face's gradient checkpointing).
+        mixed_precision: under ``ModelParallelStrategy``, ``bf16`` or ``fp16``: the sharded policy
+            computes in that dtype and reduces gradients in float32 (parameters and optimizer stay
+            float32); None: float32 throughout. Other strategies: use Lightning's ``precision``.
         algorithm: ``algorithm.*``: advantages, policy loss, off-policy corrections, and the
             reference model of the KL term (default: the spec's defaults). ``lightning-fasync fit``
             links the top-level keys here.
@@ -177,6 +185,8 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         lr_schedule: str = "constant",
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
+        activation_checkpointing: bool = False,
+        mixed_precision: Optional[str] = None,
         algorithm: Optional[AlgorithmConfig] = None,
         use_rollout_log_probs: bool = False,
         mask_offpolicy_in_partial_rollout: bool = False,
@@ -189,6 +199,10 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             raise ConfigError(
                 f"`model.warmup_steps` is {warmup_steps} and `model.min_lr_ratio` {min_lr_ratio}; "
                 "they must be >= 0 and in [0, 1]."
+            )
+        if mixed_precision is not None and mixed_precision not in MIXED_PRECISION:
+            raise ConfigError(
+                f"`model.mixed_precision` is {mixed_precision!r}; it must be null or one of {', '.join(MIXED_PRECISION)}."
             )
         self.save_hyperparameters(ignore=["algorithm"])
         from lightning_fasync.policy import build_policy
@@ -257,9 +271,15 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         return self.model_name_or_path
 
     @override
-    def engine_state_dict(self) -> dict[str, torch.Tensor]:
+    def engine_state_dict(self) -> Union[dict[str, torch.Tensor], TensorStream]:
         """The weights pushed to the engines at each step boundary (Hugging Face names): the
-        policy's only, never the reference's."""
+        policy's only, never the reference's. A sharded policy (``configure_model`` under
+        ``ModelParallelStrategy``) gives a :class:`TensorStream` that gathers one tensor at a time;
+        every rank calls this and consumes it (see :mod:`~lightning_fasync.lightning.shard_gather`)."""
+        from lightning_fasync.lightning.shard_gather import full_tensor_stream, is_sharded
+
+        if is_sharded(self.policy):
+            return full_tensor_stream(self.policy)
         return {k: v.detach() for k, v in self.policy.state_dict().items()}
 
     @override
@@ -294,7 +314,9 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Refuse, in one sentence, a checkpoint of a policy with another shape (before Lightning loads it)."""
-        saved = checkpoint.get("state_dict") or {}
+        if "state_dict" not in checkpoint:
+            return  # a distributed checkpoint: its reader loaded the weights, checking names and shapes
+        saved = checkpoint["state_dict"] or {}
         mine = {k: v for k, v in self.state_dict().items() if k.startswith("policy.")}
         theirs = {k: v for k, v in saved.items() if k.startswith("policy.")}
         diff = sorted(set(mine) ^ set(theirs)) or sorted(k for k in mine if tuple(mine[k].shape) != tuple(theirs[k].shape))
@@ -303,6 +325,20 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
                 f"`model.model` is {self.model_name_or_path!r}, whose policy differs in shape from the checkpoint's "
                 f"(first difference: {diff[0]!r}); resume with the model the checkpoint was trained with."
             )
+
+    @override
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (which sets the device mesh before this hook), shard the
+        policy: tensor parallel over the mesh's ``tensor_parallel`` dim, FSDP2 over its
+        ``data_parallel`` dim (:func:`~lightning_fasync.lightning.sharding.shard_policy`). Without a
+        mesh nothing changes. Lightning may call the hook again: the policy is sharded once."""
+        if self._device_mesh is None:
+            return
+        shard_policy(self.policy, self._device_mesh, activation_checkpointing=self.hparams.activation_checkpointing,
+                     mixed_precision=self.hparams.mixed_precision)
+        # The snapshot reads the parameters when it is taken, so it sees the shards; buffers sized
+        # for the unsharded parameters (none unless one was taken already) are dropped.
+        self.snapshot.release()
 
     @override
     def train_dataloader(self):
@@ -376,6 +412,7 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             entropy=entropy,
             ref_log_probs=ref_log_probs,
             nan_mask=nan_mask,
+            normalizer=self._loss_normalizer(),
         )
         if method == "metrics" and approx is not None:
             metrics["train/prox_approx_abs_err"] = masked_mean((approx - old_log_probs).abs(), mask).item()
@@ -396,7 +433,31 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         self._metrics = metrics
         return loss
 
+    def _loss_normalizer(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """With several data-parallel ranks (DDP, FSDP2), the loss's denominator is the whole
+        mini-batch's count, so the averaged gradient is the single-process one; None otherwise."""
+        driver = self._fabric if self._fabric is not None else self._trainer  # Fabric, or Lightning's Trainer
+        if driver is None or driver.world_size <= 1:
+            return None
+        from lightning_fasync.algorithms.losses import data_parallel_normalizer
+        from lightning_fasync.lightning.ranks import data_parallel
+
+        _, size, group = data_parallel(driver.strategy)
+        return data_parallel_normalizer(size, group) if size > 1 else None
+
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Before Lightning's gradient clipping: the unclipped norm.
         self._metrics.update(grad_norm_metric(self.policy.parameters()))
+
+    @override
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+        """Lightning's clipping, except by norm over a sharded policy's DTensor gradients: with tensor
+        parallel they live on two meshes (FSDP2's data-parallel one and the 2-D one), which torch's
+        ``clip_grad_norm_`` cannot mix; :func:`~lightning_fasync.algorithms.clip_grad_norm` can."""
+        sharded = any(hasattr(p.grad, "device_mesh") for p in self.policy.parameters())
+        if gradient_clip_val and (gradient_clip_algorithm or "norm") == "norm" and sharded:
+            clip_grad_norm(self.policy.parameters(), gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)

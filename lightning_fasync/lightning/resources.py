@@ -20,6 +20,8 @@ class ResourcePlan:
 
     trainer_cores: list[int] = field(default_factory=list)
     replica_cores: list[list[int]] = field(default_factory=list)
+    trainer_threads: Optional[int] = None
+    """Torch threads of this trainer process; None: one per trainer core."""
 
     @property
     def num_replicas(self) -> int:
@@ -115,8 +117,21 @@ def plan_rollout_gpus(cfg: Any, visible: Optional[str] = None) -> list[GPUReplic
     return replicas
 
 
-def pin_trainer(cores: Sequence[int]) -> None:
-    """Pin this process and its torch intra-op threads to ``cores``."""
+def pin_trainer(cores: Sequence[int], threads: Optional[int] = None) -> None:
+    """Pin this process and its torch intra-op threads (``threads``; default one per core) to ``cores``."""
     if hasattr(os, "sched_setaffinity") and cores:
         os.sched_setaffinity(0, set(cores))
-    torch.set_num_threads(max(1, len(cores)))
+    torch.set_num_threads(threads or max(1, len(cores)))
+
+
+def trainer_share(plan: ResourcePlan, local_rank: int, local_world: int) -> ResourcePlan:
+    """One of ``local_world`` trainer processes' share of ``plan.trainer_cores``: a slice of its own
+    when there are enough cores, else all of them; every process gets the same thread count.
+
+    The same count matters beyond speed: CPU kernels split their reductions by thread, so processes
+    with different counts compute the same gradient to different last bits, and the parameters
+    tensor-parallel ranks each hold whole (norms, embeddings) would drift apart step by step."""
+    cores = list(plan.trainer_cores)
+    per = len(cores) // local_world
+    mine = cores[local_rank * per:(local_rank + 1) * per] if per >= 1 else cores
+    return ResourcePlan(mine, plan.replica_cores, trainer_threads=max(1, per))

@@ -28,6 +28,7 @@ from lightning_fasync.pipeline.engine_client import EngineClient, SamplingParams
 from lightning_fasync.pipeline.evaluator import EvalSource, Evaluator
 from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
 from lightning_fasync.pipeline.state import PipelineError
+from lightning_fasync.rollout.tensor_stream import TensorStream
 from lightning_fasync.types import PromptSample
 
 @dataclass
@@ -204,7 +205,7 @@ class RolloutRuntime:
         try:
             if pin:
                 # Engines first (each pins itself), then the trainer's own pinning.
-                pin_trainer(plan.trainer_cores)
+                pin_trainer(plan.trainer_cores, plan.trainer_threads)
             self._admin_client: Callable[[], Any] = (lambda: client) if client is not None else self.pool.client
             if client is None:
                 client = self.pool.client(max_connections=cfg.agentflow.router.max_connections,
@@ -404,10 +405,12 @@ class RolloutRuntime:
             out["tokenizer"] = self.tokenizer
         return out
 
-    def sync_weights(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+    def sync_weights(self, tensors: Mapping[str, torch.Tensor] | TensorStream, version: int) -> None:
         """Push ``tensors`` (Hugging Face names) to every engine as ``version`` over the
         ``weight_sync`` path (:mod:`~lightning_fasync.rollout.weight_sync`); the engines flush
-        their caches. Only global rank 0 calls this.
+        their caches. Only global rank 0 calls this. A :class:`TensorStream` (a sharded trainer's
+        tensors, gathered one at a time) is consumed on this thread, bucket by bucket; if the push
+        fails, the caller drains what is left of it so every rank's collectives match.
 
         Raises:
             WeightSyncError: an engine failed or the update was partial (names the engine, the step).
@@ -426,9 +429,11 @@ class RolloutRuntime:
                     "(the driver's admin_timeout)."
                 ) from None
 
-    async def _push(self, tensors: Mapping[str, torch.Tensor], version: int, step: Optional[int]) -> None:
+    async def _push(self, tensors: Mapping[str, torch.Tensor] | TensorStream, version: int, step: Optional[int]) -> None:
         sync = self._weight_sync()
-        if sync is None:  # an engine client of the caller's own
+        if sync is None:  # an engine client of the caller's own: it takes a mapping
+            if isinstance(tensors, TensorStream):  # gathered whole here (its interface has no stream)
+                tensors = dict(tensors)
             await getattr(self._admin_client(), f"update_weights_from_{self.weight_sync}")(tensors, weight_version=version)
             return
         try:

@@ -52,3 +52,21 @@ class FullyAsyncStrategy(SingleDeviceStrategy):
 
     def resource_plan(self, colocate: bool = False) -> ResourcePlan:
         return plan_cpu_resources(self.rollout_replicas, self.trainer_cores, self.rollout_cores, colocate=colocate)
+
+
+def register_model_parallel() -> None:
+    """``--trainer.strategy=model_parallel``: Lightning's ``ModelParallelStrategy`` with its own
+    defaults (tensor parallel over a node's devices, data parallel across nodes). Sizes of your own:
+    ``--trainer.strategy=ModelParallelStrategy --trainer.strategy.data_parallel_size=N
+    --trainer.strategy.tensor_parallel_size=M``."""
+    from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+
+    if "model_parallel" not in StrategyRegistry:
+        StrategyRegistry.register(
+            "model_parallel", ModelParallelStrategy,
+            description="FSDP2 + tensor parallel (DTensor) with FullyAsyncCallback's sharded weight sync",
+        )
+
+
+register_model_parallel()
+

@@ -8,7 +8,8 @@ failed): the ``/init_weights_update_group`` calls go out to every engine at once
 creates its side. Each bucket is one ``/update_weights_from_distributed`` call per engine and one
 broadcast per tensor straight from the trainer's tensors (or, with ``flatten``, one ``uint8``
 broadcast of a flattened bucket), issued on the caller's thread with ``async_op=True``; the answers
-and the broadcasts are awaited together, each bounded by the push's timeout.
+and the broadcasts are awaited together, each bounded by the push's timeout. A ``TensorStream``
+always goes as flattened buckets, each filled from the stream just before it is broadcast.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ import ipaddress
 import socket
 import time
 import uuid
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 from urllib.parse import urlparse
 
 import torch
 
 from lightning_fasync.rollout import weight_wire
 from lightning_fasync.rollout.client import _SKIPPED
-from lightning_fasync.rollout.weight_sync import Bucket, KeptWeights, WeightSyncError, _BucketedSync, _label
+from lightning_fasync.rollout.weight_sync import (
+    Bucket, KeptWeights, Weights, WeightSyncError, _BucketedSync, _label, _Streamed, _where,
+)
 
 
 class DistributedWeightSync(_BucketedSync):
@@ -41,6 +44,7 @@ class DistributedWeightSync(_BucketedSync):
         flatten: one ``uint8`` broadcast per bucket (``load_format="flattened_bucket"``, a staging
             copy on this side) instead of one broadcast per tensor straight from the tensors (the
             default, as slime sends them; the embedded engine then receives into its parameters).
+            A ``TensorStream`` always goes flattened: its tensors are taken one at a time.
     """
 
     kind = "distributed"
@@ -130,12 +134,17 @@ class DistributedWeightSync(_BucketedSync):
                 await self._disband()
         await super().close()
 
-    async def push(self, named_tensors: Mapping[str, torch.Tensor], version: Optional[int],
+    async def push(self, named_tensors: Weights, version: Optional[int],
                    step: Optional[int] = None) -> Optional[KeptWeights]:
-        if self.device is None and named_tensors:
+        named_tensors = self._streamed(named_tensors, _where(version, step))
+        if self.device is None and isinstance(named_tensors, _Streamed):
+            self.device = named_tensors.device()  # its first tensor, taken now (and held for its bucket)
+        elif self.device is None and named_tensors:
             self.device = next(iter(named_tensors.values())).device
         # A replica that leaves mid-push breaks the group: form it again with the others and push
-        # again from the first bucket (at most once per engine).
+        # again from the first bucket (at most once per engine). A stream cannot be taken again:
+        # for one, the bucket being broadcast is sent again instead (_send_flattened, _regroup);
+        # this loop only repeats a stream's push whose group changed before its first bucket.
         for _ in range(len(self.client.worker_urls) + 1):
             try:
                 return await super().push(named_tensors, version, step)
@@ -143,11 +152,11 @@ class DistributedWeightSync(_BucketedSync):
                 self._broken = True
         raise WeightSyncError(f"The weight sync of step {step} gave up: the serving engines kept changing.")
 
-    async def _stage(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> Any:
+    async def _stage(self, named_tensors: Any, version: int) -> Any:
         return self._plan(named_tensors)
 
     async def _send(self, staged: Any, version: int, where: str) -> None:
-        if self.flatten:
+        if self.flatten or isinstance(staged, _Streamed):
             await self._send_flattened(staged, version, where)
             return
         kept: list[Bucket] = []
@@ -173,27 +182,58 @@ class DistributedWeightSync(_BucketedSync):
 
     async def _send_flattened(self, staged: Any, version: int, where: str) -> None:
         kept: list[Bucket] = []
+        streamed = isinstance(staged, _Streamed)
+        started = list(self.members)  # the engines this push began with
         async with self._filler(staged, self.device or torch.device("cpu")) as fills:
             for i in range(len(staged)):
                 filled = await fills.get(i)
-                if self.group is None:  # no engine serves: nothing to broadcast to
-                    if self.keep:
-                        kept.append(self._kept_copy(filled))
-                    continue
-                meta = filled.metadata
-                body = {"names": [m.name for m in meta], "dtypes": [weight_wire.dtype_name(m.dtype) for m in meta],
-                        "shapes": [list(m.shape) for m in meta], "group_name": self.group_name,
-                        "flush_cache": self.flush_in_update, "abort_all_requests": False,
-                        "weight_version": _label(version), "load_format": "flattened_bucket"}
-                calls = {u: asyncio.ensure_future(self._update(u, "/update_weights_from_distributed", body, where))
-                         for u in self.members}
-                # The broadcast is issued here, on the caller's thread; gloo/NCCL progress it meanwhile.
-                work = torch.distributed.broadcast(filled.flat, src=0, group=self.group, async_op=True)
-                if await self._collect(calls, work, where, f"bucket {i + 1} of {len(staged)}"):
-                    raise _MembersChanged()
+                # No engine serves (group None): nothing to broadcast to, the bucket is only kept.
+                while self.group is not None:
+                    meta = filled.metadata
+                    body = {"names": [m.name for m in meta], "dtypes": [weight_wire.dtype_name(m.dtype) for m in meta],
+                            "shapes": [list(m.shape) for m in meta], "group_name": self.group_name,
+                            "flush_cache": self.flush_in_update, "abort_all_requests": False,
+                            "weight_version": _label(version), "load_format": "flattened_bucket"}
+                    calls = {u: asyncio.ensure_future(self._update(u, "/update_weights_from_distributed", body, where))
+                             for u in self.members}
+                    # The broadcast is issued here, on the caller's thread; gloo/NCCL progress it meanwhile.
+                    work = torch.distributed.broadcast(filled.flat, src=0, group=self.group, async_op=True)
+                    if not await self._collect(calls, work, where, f"bucket {i + 1} of {len(staged)}"):
+                        break
+                    if not streamed:
+                        raise _MembersChanged()  # push() starts again from the first bucket
+                    await self._regroup(started, where)  # then this bucket again, from the staging buffer
                 if self.keep:
                     kept.append(self._kept_copy(filled))
         self._kept = kept
+
+    async def _regroup(self, started: Sequence[str], where: str) -> None:
+        """Form the group again with the engines still serving, in the middle of a stream's push (an
+        engine left during a bucket's broadcast; a stream cannot be taken again from its start).
+
+        Sound because an engine of a flattened push loads a bucket only once it has received all of
+        it: those still serving hold every earlier bucket of this push and, at most, this one
+        (sent again, the same bytes), and they stay paused inside the update bracket meanwhile.
+        Engines cannot join mid-push: a restarted replica joins (``RolloutPool.restart_replica``:
+        kept weights, checksums, then ``workers.add``) under the pool's ``sync_lock``, which
+        ``RolloutRuntime.sync_weights`` holds for the whole push; only leaving (the supervisor's
+        ``_lose``) happens meanwhile. A joiner would lack this push's earlier buckets, so one is
+        refused here rather than given half an update.
+
+        Raises:
+            WeightSyncError: an engine began serving during the push, or the serving set kept changing.
+        """
+        for _ in range(len(started) + 1):
+            joined = [u for u in self.client.worker_urls if u not in started]
+            if joined:
+                raise WeightSyncError(f"The weight sync of {where} cannot go on: {', '.join(joined)} began serving "
+                                      "during the push (a replica joins under the pool's sync lock, between pushes).")
+            try:
+                await self.connect()
+                return
+            except _MembersChanged:
+                self._broken = True
+        raise WeightSyncError(f"The weight sync of {where} gave up: the serving engines kept changing.")
 
     async def _collect(self, calls: dict[str, asyncio.Future], work: Any, where: str, what: str) -> list[str]:
         """Wait for every engine's answer and for rank 0's side (a ``Work`` or an executor future).

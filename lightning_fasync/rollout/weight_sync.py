@@ -17,7 +17,10 @@ engines stay paused (no mix of versions is served). With a supervised pool, a re
 the serving set mid-push is skipped (the ``distributed`` path re-forms its group without it and
 pushes again); it gets the pushed weights when it restarts: :class:`KeptWeights` holds them
 (shared-memory buckets, or the directory) and :func:`push_kept` delivers them to that replica.
-Weights leave in Hugging Face naming, bucket by bucket, in the order given.
+Weights leave in Hugging Face naming, bucket by bucket, in the order given: a mapping of tensors,
+or a :class:`~lightning_fasync.rollout.tensor_stream.TensorStream` (a sharded trainer's tensors,
+gathered one at a time), whose buckets are planned from its specs and filled from it as they are
+sent, so at most one bucket and one tensor of it are held at a time (:class:`_Streamed`).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, ClassVar, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Callable, ClassVar, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -39,7 +42,10 @@ from lightning_fasync.config import WEIGHT_SYNC_CHOICES, ConfigError
 from lightning_fasync.pipeline.engine_client import EngineError
 from lightning_fasync.rollout import weight_wire
 from lightning_fasync.rollout.client import _SKIPPED, SGLangClient
+from lightning_fasync.rollout.tensor_stream import TensorSpec, TensorStream
 from lightning_fasync.rollout.weight_wire import FlattenedTensorMetadata
+
+Weights = Union[Mapping[str, torch.Tensor], TensorStream]  # what a push takes
 
 WEIGHT_SYNC_KINDS = WEIGHT_SYNC_CHOICES[1:]  # without "auto"
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -152,11 +158,15 @@ class WeightSync(abc.ABC):
         await self.client.close()
         await self.rpc.close()
 
-    async def push(self, named_tensors: Mapping[str, torch.Tensor], version: Optional[int],
+    async def push(self, named_tensors: Weights, version: Optional[int],
                    step: Optional[int] = None) -> Optional[KeptWeights]:
         """Every engine loads ``named_tensors`` (Hugging Face names) and labels them ``version``.
 
         Args:
+            named_tensors: a mapping (a tied tensor listed twice is sent once), or a fresh
+                :class:`TensorStream`, consumed here in order on the calling thread (its ``take``
+                may run a collective). A failed push leaves what it did not take of a stream in
+                it: the caller drains it, so every rank's collectives match.
             version: the weight version label (None: the engines keep theirs).
             step: the rollout step that ended (named in errors).
 
@@ -165,12 +175,14 @@ class WeightSync(abc.ABC):
 
         Raises:
             WeightSyncError: an engine failed, did not answer in time, or the update reached only
-                some engines; the message names the engine URL and the step.
+                some engines; the message names the engine URL and the step. Also a stream whose
+                ``take`` failed (the message names the tensor; the cause is chained).
+            ValueError: no tensors, or a stream already (partly) consumed.
         """
         if self.closed:
             raise RuntimeError("This WeightSync is closed.")
-        where = f"step {step}" if step is not None else (f"weight version {version}" if version is not None
-                                                          else "a weight update")
+        where = _where(version, step)
+        named_tensors = self._streamed(named_tensors, where)
         self._discard(None)
         staged = await self._stage(named_tensors, version)
         try:
@@ -182,11 +194,20 @@ class WeightSync(abc.ABC):
             await self.rpc.close()  # its connections belong to this event loop
         return self._keep(staged, version)
 
+    def _streamed(self, named_tensors: Any, where: str) -> Any:
+        """A :class:`TensorStream` as its :class:`_Streamed` buckets; anything else as it is."""
+        if isinstance(named_tensors, TensorStream):
+            named_tensors = _Streamed(named_tensors, self.bucket_bytes)
+        if isinstance(named_tensors, _Streamed):
+            named_tensors.where = where
+        return named_tensors
+
     # ------------------------------------------------------------------ the sequence, per path
 
     @abc.abstractmethod
-    async def _stage(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> Any:
-        """Lay the tensors out for sending (buckets, a directory)."""
+    async def _stage(self, named_tensors: Any, version: int) -> Any:
+        """Lay the tensors (a mapping, or a stream's :class:`_Streamed`) out for sending (buckets, a
+        directory)."""
 
     @abc.abstractmethod
     async def _send(self, staged: Any, version: int, where: str) -> None:
@@ -307,6 +328,87 @@ def unique_tensors(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
+class _Streamed:
+    """The buckets of a :class:`TensorStream`: planned from its specs by the rule a mapping's are
+    (:func:`weight_wire.plan_ranges`), then taken from it bucket by bucket, in order, each tensor on
+    the calling thread (``take`` may run a collective every rank takes part in: never from another
+    thread) and dropped as soon as it is copied into its bucket. What this holds: one bucket plus
+    one tensor (the gather producing the tensor may need it twice for a moment). A stream cannot be replayed: each bucket is taken once.
+
+    (A stream lists a tied tensor once already; :func:`unique_tensors` is for mappings.)
+    """
+
+    def __init__(self, stream: TensorStream, max_bytes: int) -> None:
+        if stream.consumed:
+            raise ValueError(f"The TensorStream was already consumed ({stream.consumed} of {len(stream)} tensors "
+                             "taken); a push needs a fresh one.")
+        if not len(stream):
+            raise ValueError("Nothing to push: no tensors.")
+        self.stream = stream
+        sizes = [(s.nbytes, s.dtype.itemsize) for s in stream.specs]
+        self.buckets: list[list[TensorSpec]] = [stream.specs[r.start : r.stop]
+                                                for r in weight_wire.plan_ranges(sizes, max_bytes)]
+        self.taken = 0  # buckets handed out so far
+        self.where = "a weight update"  # named in errors (the push sets it)
+        self._held: Optional[torch.Tensor] = None  # the next tensor, taken ahead by device()
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    @property
+    def nbytes(self) -> int:
+        return self.stream.nbytes
+
+    def device(self) -> torch.device:
+        """Where the stream's tensors are: its next tensor is taken (and held) to tell."""
+        if self._held is None:
+            spec = self.stream.specs[self.stream.consumed]
+            self._held = self._take(spec)
+        return self._held.device
+
+    def _take(self, spec: TensorSpec) -> torch.Tensor:
+        k = self.stream.consumed
+        try:
+            name, tensor = self.stream.take()
+        except Exception as exc:  # noqa: BLE001 - a gather, or the trainer's own code: named, chained
+            raise WeightSyncError(f"The weight sync of {self.where} failed taking {spec.name} (tensor {k + 1} of "
+                                  f"{len(self.stream)}) from the trainer's stream: {type(exc).__name__}: {exc}") from exc
+        if name != spec.name:  # cannot happen with a TensorStream; a bucket's layout depends on it
+            raise WeightSyncError(f"The trainer's stream gave {name} where its specs say {spec.name}.")
+        return tensor
+
+    def tensors(self, i: int) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+        """Bucket ``i``'s tensors, taken one at a time (``i`` must be the next bucket). Drop each
+        before asking for the next: this generator holds none while it takes one."""
+        if i != self.taken:
+            raise RuntimeError(f"Bucket {i + 1} of a stream was asked for after bucket {self.taken}: a stream "
+                               "is taken once, in order.")
+        self.taken += 1
+        for spec in self.buckets[i]:
+            tensor, self._held = self._held, None
+            if tensor is None:
+                tensor = self._take(spec)
+            yield spec, tensor
+            del tensor
+
+    def fill(self, i: int, buffer: Callable[[int, torch.device], torch.Tensor]) -> Bucket:
+        """Bucket ``i`` flattened into ``buffer(nbytes, device of its first tensor)``, tensor by tensor."""
+        specs = self.buckets[i]
+        metadata = weight_wire.layout([s.name for s in specs], [s.dtype for s in specs], [s.shape for s in specs])
+        flat: Optional[torch.Tensor] = None
+        k = 0
+        # A plain loop (zip and enumerate keep the previous item alive while they take the next).
+        for _, tensor in self.tensors(i):
+            if flat is None:
+                flat = buffer(weight_wire.bucket_bytes(metadata), tensor.device)
+            meta = metadata[k]
+            flat[meta.start_idx : meta.end_idx].copy_(tensor.detach().reshape(-1).view(torch.uint8))
+            del tensor  # before the next one is taken
+            k += 1
+        assert flat is not None
+        return Bucket(flat, metadata)
+
+
 
 class _BucketedSync(WeightSync):
     """What ``tensor`` and ``distributed`` share: flattened buckets, kept in shared memory."""
@@ -334,7 +436,10 @@ class _BucketedSync(WeightSync):
             staging = self._staging[slot] = weight_wire.new_shared_bytes(nbytes)
         return staging[:nbytes]
 
-    def _plan(self, named_tensors: Mapping[str, torch.Tensor]) -> list[list[tuple[str, torch.Tensor]]]:
+    def _plan(self, named_tensors: Any) -> Any:
+        """A mapping's buckets; a stream's :class:`_Streamed` as it is (its buckets are planned)."""
+        if isinstance(named_tensors, _Streamed):
+            return named_tensors
         return weight_wire.plan_buckets(unique_tensors(named_tensors), self.bucket_bytes)
 
     def _fill(self, bucket: list[tuple[str, torch.Tensor]], device: torch.device, slot: int = 0) -> Bucket:
@@ -342,7 +447,7 @@ class _BucketedSync(WeightSync):
         flat = self._buffer(weight_wire.bucket_bytes(metadata), device, slot)
         return Bucket(flat, weight_wire.flatten_into(bucket, flat))
 
-    def _filler(self, staged: Sequence[Any], device: torch.device) -> "_Filler":
+    def _filler(self, staged: Any, device: Optional[torch.device]) -> "_Filler":
         return _Filler(self, staged, device)
 
     def _kept_copy(self, bucket: Bucket) -> Bucket:
@@ -357,15 +462,25 @@ class _Filler:
     """The buckets of a push, filled in order. On CPU the next bucket is filled on a thread while
     the current one is sent (two staging buffers alternate), so the trainer's copy overlaps the
     engines' load instead of adding to it; on an accelerator each bucket is filled when asked for
-    (its copies are asynchronous already). Use as ``async with``: leaving waits for a fill still
-    running, so no thread writes into a buffer the next push reuses."""
+    (its copies are asynchronous already). A stream's buckets (:class:`_Streamed`) are filled when
+    asked for, on the calling thread, into one staging buffer: its ``take`` may run a collective,
+    and one bucket at a time is its memory bound. Use as ``async with``: leaving waits for a fill
+    still running, so no thread writes into a buffer the next push reuses.
 
-    def __init__(self, sync: _BucketedSync, staged: Sequence[Any], device: torch.device) -> None:
+    Arguments:
+        device: where the buckets are laid out; None (a stream only): where its tensors are.
+    """
+
+    def __init__(self, sync: _BucketedSync, staged: Any, device: Optional[torch.device]) -> None:
         self.sync, self.staged, self.device = sync, staged, device
+        self.streamed = isinstance(staged, _Streamed)
         self.ahead: Optional[tuple[int, asyncio.Future]] = None
 
     def _fill(self, i: int) -> Bucket:
+        if self.streamed:
+            return self.staged.fill(i, lambda nbytes, device: self.sync._buffer(nbytes, self.device or device))
         bucket = self.staged[i]
+        assert self.device is not None
         return bucket if isinstance(bucket, Bucket) else self.sync._fill(bucket, self.device, slot=i % 2)
 
     async def get(self, i: int) -> Bucket:
@@ -376,7 +491,7 @@ class _Filler:
             await self._settle()
             filled = self._fill(i)
         self.ahead = None
-        if self.device.type == "cpu" and i + 1 < len(self.staged):
+        if not self.streamed and self.device is not None and self.device.type == "cpu" and i + 1 < len(self.staged):
             self.ahead = (i + 1, asyncio.get_running_loop().run_in_executor(None, self._fill, i + 1))
         return filled
 
@@ -415,16 +530,22 @@ class TensorWeightSync(_BucketedSync):
         super().__init__(*args, **kwargs)
         self.zero_copy = zero_copy
 
-    async def _stage(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> Any:
+    async def _stage(self, named_tensors: Any, version: int) -> Any:
         return self._plan(named_tensors)  # filled one bucket at a time in _send
 
     async def _send(self, staged: Any, version: int, where: str) -> None:
-        kept: list[Bucket] = []
+        if isinstance(staged, _Streamed):  # flattened as taken, where the tensors are; never zero-copy
+            await self._send_flattened(staged, None, version, where)
+            return
         first = staged[0] if staged else None
         device = first.flat.device if isinstance(first, Bucket) else (first[0][1].device if first else torch.device("cpu"))
         if self.zero_copy and first is not None and not isinstance(first, Bucket) and _shareable(staged):
             await self._send_shared(staged, version, where)
             return
+        await self._send_flattened(staged, device, version, where)
+
+    async def _send_flattened(self, staged: Any, device: Optional[torch.device], version: int, where: str) -> None:
+        kept: list[Bucket] = []
         async with self._filler(staged, device) as fills:
             for i in range(len(staged)):
                 filled = await fills.get(i)
@@ -500,6 +621,12 @@ def _shareable(buckets: Sequence[list[tuple[str, torch.Tensor]]]) -> bool:
     return need <= 0.75 * stat.f_bavail * stat.f_frsize
 
 
+def _where(version: Optional[int], step: Optional[int]) -> str:
+    """What an error of a push names: its step, else its weight version."""
+    return f"step {step}" if step is not None else (f"weight version {version}" if version is not None
+                                                    else "a weight update")
+
+
 def _label(version: Optional[int]) -> Optional[str]:
     """The weight version label SGLang takes (a string); None leaves the engines' label as it is."""
     return None if version is None else str(version)
@@ -516,24 +643,35 @@ class DiskWeightSync(WeightSync):
     kind = "disk"
     bracketed = False  # SGLang's disk update is self-contained (no begin/end bracket)
 
-    async def _stage(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> Any:
+    async def _stage(self, named_tensors: Any, version: int) -> Any:
         from safetensors.torch import save_file
 
-        named_tensors = unique_tensors(named_tensors)
+        streamed = isinstance(named_tensors, _Streamed)
+        if not streamed:
+            named_tensors = unique_tensors(named_tensors)
         root = self.work_dir
         if root:
             os.makedirs(root, exist_ok=True)
         directory = tempfile.mkdtemp(prefix=f"v{version}-", dir=root)
         try:
-            shards = weight_wire.plan_buckets(named_tensors, self.bucket_bytes)
+            shards = named_tensors if streamed else weight_wire.plan_buckets(named_tensors, self.bucket_bytes)
             weight_map = {}
-            for i, shard in enumerate(shards):
+            for i in range(len(shards)):
                 file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                tensors = {n: t.detach().contiguous().cpu() for n, t in shard}
+                tensors = {}
+                if streamed:  # taken here, on the calling thread, one at a time (each moved off its device at once)
+                    for spec, tensor in named_tensors.tensors(i):
+                        tensors[spec.name] = tensor.detach().contiguous().cpu()
+                        del tensor
+                else:
+                    tensors = {n: t.detach().contiguous().cpu() for n, t in shards[i]}
+                # The write runs on a thread; the shard's tensors (at most one bucket) are dropped after it.
                 await asyncio.get_running_loop().run_in_executor(None, save_file, tensors, os.path.join(directory, file),
                                                                  {"format": "pt"})
                 weight_map.update(dict.fromkeys(tensors, file))
-            total = sum(t.numel() * t.element_size() for t in named_tensors.values())
+                del tensors
+            total = named_tensors.nbytes if streamed else sum(t.numel() * t.element_size()
+                                                              for t in named_tensors.values())
             with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
         except BaseException:

@@ -163,20 +163,28 @@ def unflatten(flat: torch.Tensor, metadata: Iterable[Any]) -> list[tuple[str, to
     return out
 
 
-def plan_buckets(named: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-    """Split ``named`` (in order) into buckets of at most ``max_bytes`` each (a larger tensor goes
-    alone), never placing a tensor at a byte offset that is not a multiple of its element size
-    (SGLang's receiver refuses that)."""
-    buckets: list[list[tuple[str, torch.Tensor]]] = [[]]
-    used = 0
-    for name, tensor in named.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if buckets[-1] and (used + nbytes > max_bytes or used % tensor.element_size()):
-            buckets.append([])
-            used = 0
-        buckets[-1].append((name, tensor))
+def plan_ranges(sizes: Sequence[tuple[int, int]], max_bytes: int) -> list[range]:
+    """The bucketing rule, on sizes alone: tensors given as ``(bytes, element size)``, in order, split
+    into consecutive runs of at most ``max_bytes`` each (a larger tensor goes alone), never placing a
+    tensor at a byte offset that is not a multiple of its element size (SGLang's receiver refuses
+    that). :func:`plan_buckets` applies it to tensors, a weight sync to a ``TensorStream``'s specs."""
+    ranges: list[range] = []
+    start = used = 0
+    for i, (nbytes, itemsize) in enumerate(sizes):
+        if i > start and (used + nbytes > max_bytes or used % itemsize):
+            ranges.append(range(start, i))
+            start, used = i, 0
         used += nbytes
-    return [b for b in buckets if b]
+    if len(sizes) > start:
+        ranges.append(range(start, len(sizes)))
+    return ranges
+
+
+def plan_buckets(named: Mapping[str, torch.Tensor], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split ``named`` (in order) into buckets by :func:`plan_ranges`' rule."""
+    items = list(named.items())
+    sizes = [(t.numel() * t.element_size(), t.element_size()) for _, t in items]
+    return [items[r.start : r.stop] for r in plan_ranges(sizes, max_bytes)]
 
 
 def new_shared_bytes(nbytes: int) -> torch.Tensor:

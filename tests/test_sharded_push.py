@@ -1,0 +1,145 @@
+"""Weight sync from shards: a policy sharded over 2 CPU processes (FSDP2, then tensor parallel)
+pushes, bucket by bucket, exactly the weights a single-process trainer pushes: the engine's weight
+checksums and greedy output are the same either way."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from lightning_fasync.pipeline.engine_client import GenerateRequest, SamplingParams
+from lightning_fasync.policy import build_policy
+from lightning_fasync.rollout.client import SGLangClient
+from lightning_fasync.rollout.weight_checksum import checksums
+from lightning_fasync.rollout.weight_sync import make_weight_sync
+
+SEED = 11
+
+
+def trained(seed: int = SEED) -> torch.nn.Module:
+    """The tiny policy with weights moved far enough from the engine's to change its greedy output."""
+    model, _ = build_policy("tiny")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, layout: str, url: str, version: int, errors) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_fasync.lightning.shard_gather import full_tensor_stream
+    from lightning_fasync.lightning.sharding import shard_policy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dims = (world, 1) if layout == "fsdp" else (1, world)
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("data_parallel", "tensor_parallel"))
+        policy = shard_policy(trained(), mesh)
+        stream = full_tensor_stream(policy)
+        if rank == 0:
+            sync = make_weight_sync("tensor", SGLangClient([url]), bucket_bytes=256 * 1024, timeout_s=120)
+
+            async def push() -> None:
+                try:
+                    await sync.push(stream, version, step=version - 1)
+                finally:
+                    await sync.close()
+
+            try:
+                asyncio.run(push())
+            finally:
+                stream.drain()  # the other rank's gathers need this rank's part whatever happened
+        else:
+            stream.drain()
+        dist.barrier()
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise SystemExit(1) from exc
+    finally:
+        dist.destroy_process_group()
+
+
+def _push_from_shards(layout: str, url: str, version: int) -> None:
+    """Rank 0 pushes the stream, rank 1 drains its own: 2 spawned processes on gloo."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, layout, url, version, errors)) for r in range(2)]
+    for p in procs:
+        p.start()
+    # Polled, not joined: rank 0's shared-memory buckets start torch's shm manager, which keeps a
+    # copy of the process sentinel that join() waits on open after rank 0 has exited.
+    deadline = time.monotonic() + 240
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    messages = []
+    while not errors.empty():
+        messages.append(errors.get())
+    assert not messages and all(p.exitcode == 0 for p in procs), "\n".join(messages) or [p.exitcode for p in procs]
+
+
+@pytest.mark.slow
+def test_weights_pushed_from_fsdp2_and_tensor_parallel_shards_are_the_single_process_ones():
+    from lightning_fasync.rollout.pool import RolloutPool
+
+    model = trained()
+    single = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    expected = checksums(single)
+    prompt = [5, 9, 17, 33, 2, 8]
+    request = lambda rid: GenerateRequest(rid=rid, input_ids=prompt, sampling_params=SamplingParams(  # noqa: E731
+        temperature=0.0, max_new_tokens=12, ignore_eos=True))
+    pool = RolloutPool("tiny", num_replicas=1, max_running_requests=4, context_length=256).start()
+    try:
+        url = pool.worker_urls[0]
+
+        async def observe(rid: str):
+            client = SGLangClient([url])
+            try:
+                out = await client.generate(request(rid))
+                (reported,) = await client.weight_checksums()
+                return out, reported
+            finally:
+                await client.close()
+
+        async def push_single(version: int) -> None:
+            sync = make_weight_sync("tensor", SGLangClient([url]), bucket_bytes=256 * 1024, timeout_s=120)
+            try:
+                await sync.push(single, version, step=version - 1)
+            finally:
+                await sync.close()
+
+        before, _ = asyncio.run(observe("before"))
+        asyncio.run(push_single(1))
+        reference, reported = asyncio.run(observe("single"))
+        assert reference.output_ids != before.output_ids  # the pushed weights are not the engine's own
+        assert {k: expected[k] for k in reported} == reported
+        for version, layout in ((2, "fsdp"), (3, "tp")):
+            _push_from_shards(layout, url, version)
+            out, reported = asyncio.run(observe(layout))
+            assert {k: expected[k] for k in reported} == reported, layout
+            assert out.output_ids == reference.output_ids and out.weight_versions == [version] * 12, layout
+    finally:
+        pool.stop()

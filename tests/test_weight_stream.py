@@ -1,0 +1,75 @@
+"""Weight sync from a :class:`TensorStream` (a sharded trainer's full tensors, gathered one at a
+time): its buckets follow the mapping's rule and hold one tensor at a time, a stream is taken once,
+a failed ``take`` is named. Against real engines (each path loads from a stream what it loads from
+the mapping, one bucket and one tensor held; a stream failing mid-push, then a fresh one; an engine
+lost mid-push) the tests are in ``test_weight_sync.py``, beside the paths' own, using :class:`Tracked`."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+
+import pytest
+import torch
+
+from lightning_fasync.rollout.client import SGLangClient
+from lightning_fasync.rollout.tensor_stream import TensorSpec, TensorStream
+from lightning_fasync.rollout.weight_sync import WeightSyncError, _Streamed, make_weight_sync
+from lightning_fasync.rollout.weight_wire import flatten_into, plan_buckets
+
+
+class Tracked:
+    """A stream over ``state`` whose ``produce(i)`` makes a fresh copy (a gather's result) and
+    records what the consumer still holds of the earlier ones: their count and bytes."""
+
+    def __init__(self, state: dict[str, torch.Tensor], fail_at: int | None = None) -> None:
+        self.items = list(state.items())
+        self.fail_at = fail_at
+        self.refs: list[weakref.ref] = []
+        self.held: list[tuple[int, int]] = []  # (tensors, bytes) still alive when each was produced
+        specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in self.items]
+        self.stream = TensorStream(specs, self.produce)
+
+    def produce(self, i: int) -> torch.Tensor:
+        alive = [r() for r in self.refs]
+        alive = [t for t in alive if t is not None]
+        self.held.append((len(alive), sum(t.numel() * t.element_size() for t in alive)))
+        del alive
+        if i == self.fail_at:
+            raise RuntimeError("the gather failed")
+        tensor = self.items[i][1].clone()
+        self.refs.append(weakref.ref(tensor))
+        return tensor
+
+
+def test_a_streams_buckets_follow_the_mapping_rule_and_hold_one_tensor_at_a_time():
+    named = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.randn(4),
+             "big": torch.randn(64), "d": torch.randn(2, 2).to(torch.float16), "e": torch.randn(3)}
+    tracked = Tracked(named)
+    streamed = _Streamed(tracked.stream, 100)
+    expected = plan_buckets(named, 100)  # one rule: the specs plan the buckets the tensors would
+    assert [[s.name for s in b] for b in streamed.buckets] == [[n for n, _ in b] for b in expected]
+    for i, bucket in enumerate(expected):
+        filled = streamed.fill(i, lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8, device=device))
+        flat = torch.empty(filled.flat.numel(), dtype=torch.uint8)
+        assert filled.metadata == flatten_into(bucket, flat) and torch.equal(filled.flat, flat)
+    # Each tensor was dropped once copied into its bucket, before the next was taken.
+    assert tracked.held == [(0, 0)] * len(named)
+    with pytest.raises(RuntimeError, match="taken once, in order"):
+        streamed.fill(0, lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8))
+
+
+def test_a_stream_is_pushed_fresh_and_a_failed_take_names_the_tensor():
+    state = {"a": torch.randn(4), "b": torch.randn(4)}
+    sync = make_weight_sync("tensor", SGLangClient(["http://127.0.0.1:9"]))  # refused before any call
+    stream = TensorStream.from_mapping(state)
+    stream.take()
+    with pytest.raises(ValueError, match="already consumed"):
+        asyncio.run(sync.push(stream, 1))
+    with pytest.raises(ValueError, match="no tensors"):
+        asyncio.run(sync.push(TensorStream([], lambda i: None), 1))
+    failing = _Streamed(Tracked(state, fail_at=1).stream, 100)
+    failing.where = "step 3"
+    with pytest.raises(WeightSyncError, match=r"step 3 failed taking b \(tensor 2 of 2\).*the gather failed"):
+        failing.fill(0, lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8))
+    assert failing.stream.consumed == 2  # the rest is the caller's to drain
