@@ -1,0 +1,276 @@
+"""The megatron-core GPU check, prepared for one GPU (an H200 in issue 12), under 10 minutes.
+
+A Qwen3-0.6B-shaped random bfloat16 model, built as megatron-core's ``GPTModel`` from the Hugging
+Face config with the converted HF weights (``lightning_fasync.megatron``; TP = PP = 1):
+
+1. **Logits** against the HF model on the same tokens (bf16; relative error and top-1 agreement).
+2. **Export**: ``megatron_to_hf`` of the GPU model's state dict equals the HF weights exactly.
+3. **Training step**: the batch (16 x 1024 tokens) through megatron-core's own path (its DDP
+   wrapper, the distributed optimizer from ``get_megatron_optimizer``, ``get_forward_backward_func``,
+   full activation recompute) against HF with gradient checkpointing and torch AdamW; seconds per
+   step and model TFLOP/s for both; loss must be finite and fall over ``--steps`` steps on the fixed
+   batch. The loss is a token-level policy-gradient surrogate with fixed advantages (the project's
+   RL loss runs there once ``MegatronStrategy`` exists).
+
+Not covered yet (needs ``MegatronStrategy``, docs/megatron.md): RL steps with the embedded engine
+and weight sync over the ``tensor`` path.
+
+megatron-core must be importable, or a wheel of it lie in ``--wheels`` (the GPU machine has no
+package index): ``pip download --no-deps "megatron-core>=0.16.1,<0.17" --only-binary=:all:
+--python-version <that machine's> -d .wheels``. Transformer Engine is used when importable
+(``te`` layer spec), else the local spec.
+
+    python benchmarks/gpu_megatron_check.py --out "$OUT" --wheels .wheels   # on the GPU machine
+    python benchmarks/gpu_megatron_check.py --device cpu --quick            # CPU smoke run
+
+Writes ``run.log`` and ``summary.md`` under ``--out`` and prints the summary table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def ensure_megatron(wheels: Optional[str]) -> str:
+    try:
+        import megatron.core
+    except ImportError:
+        if not wheels or not os.path.isdir(wheels):
+            raise SystemExit("megatron-core is not installed and --wheels names no directory of its wheel.")
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
+                        "--find-links", wheels, "megatron-core>=0.16.1,<0.17"], check=True, timeout=120)
+        import megatron.core
+    return megatron.core.__version__
+
+
+def hf_config(quick: bool):
+    from transformers import AutoConfig
+
+    if quick:
+        return AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+                                    max_position_embeddings=512)
+    return AutoConfig.for_model("qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                                num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                                tie_word_embeddings=True)
+
+
+def model_flops_per_token(cfg, seq: int) -> float:
+    """Training FLOPs per token: 6 x (non-embedding parameters + the output projection) plus
+    attention's 12 x layers x heads x head_dim x seq (no causal halving); same formula both sides."""
+    hd = cfg.head_dim
+    attn = cfg.hidden_size * hd * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    n = cfg.num_hidden_layers * (attn + mlp) + cfg.vocab_size * cfg.hidden_size
+    return 6 * n + 12 * cfg.num_hidden_layers * cfg.num_attention_heads * hd * seq
+
+
+def pg_loss(logits, targets, adv):
+    """-mean(advantage x log p(target)): a token-level policy-gradient surrogate."""
+    import torch
+
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return -(adv * logp).mean()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "benchmarks", "results", "gpu_megatron"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="tiny model, few tokens: checks the script itself")
+    p.add_argument("--wheels", default=os.environ.get("LFA_WHEELS", os.path.join(REPO, ".wheels")))
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    log = open(os.path.join(args.out, "run.log"), "w")
+    rows: list[tuple[str, str, str]] = []
+
+    def record(name: str, fn):
+        t0 = time.monotonic()
+        try:
+            value, note = fn()
+        except Exception:
+            value, note = "FAILED", "see run.log"
+            log.write(f"== {name}\n{traceback.format_exc()}\n")
+        log.write(f"== {name}: {value} ({note}) [{time.monotonic() - t0:.1f} s]\n")
+        log.flush()
+        rows.append((name, value, note))
+
+    version = ensure_megatron(args.wheels)
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state, tensor_parallel
+
+    from lightning_fasync.megatron import convert
+    from lightning_fasync.megatron.model import build_gpt_model, load_hf_weights
+    from lightning_fasync.rollout.launch import free_port
+
+    cuda = args.device.startswith("cuda")
+    shim = contextlib.nullcontext
+    if not cuda:  # the test-only CPU shim (tests/megatron_cpu.py says what it patches)
+        sys.path.insert(0, os.path.join(REPO, "tests"))
+        from megatron_cpu import cpu_forward_shim as shim
+    try:
+        import transformer_engine  # noqa: F401
+        layout = "te" if cuda else "local"
+    except ImportError:
+        layout = "local"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dev = torch.device(args.device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    if cuda:
+        torch.cuda.set_device(dev)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    rows.append(("megatron-core", version, f"layer spec `{layout}`, {args.device}, {str(dtype).split('.')[-1]}"))
+
+    cfg = hf_config(args.quick)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(dev).eval()
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    mc = build_gpt_model(cfg, layout, bf16=cuda, params_dtype=dtype, use_cpu_initialization=not cuda,
+                         **(recompute if cuda else {})).to(dev)
+    load_hf_weights(mc, hf.state_dict(), cfg, layout)
+    mc.eval()
+    batch, seq = (2, 32) if args.quick else (16, 1024)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), device=dev, generator=torch.Generator(dev).manual_seed(1))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    positions = torch.arange(seq, device=dev).expand(batch, seq)
+    # The layer specs' attention is causal by type; on CPU the local one needs the mask given (its
+    # default mask is built on "cuda").
+    causal = None if cuda else torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=dev), diagonal=1)[None, None]
+    adv = torch.linspace(-1.0, 1.0, batch, device=dev)[:, None].expand(batch, seq)
+
+    def logits_check():
+        n = min(batch, 4)
+        with torch.no_grad(), shim():
+            got = mc(inputs[:n], positions[:n], attention_mask=causal).float()
+            want = hf(input_ids=inputs[:n]).logits.float()
+        rel = ((got - want).abs().mean() / want.abs().mean()).item()
+        top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+        ok = rel < (2e-2 if cuda else 1e-5) and top1 > (0.95 if cuda else 0.999)
+        return ("ok" if ok else "MISMATCH"), f"mean |diff| / mean |logit| = {rel:.2e}, top-1 agreement {top1:.1%}"
+
+    def export_check():
+        back = convert.megatron_to_hf(mc.state_dict(), cfg, layout)
+        ref = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+        same = back.keys() == ref.keys() and all(torch.equal(back[k], ref[k]) for k in ref)
+        return ("ok" if same else "MISMATCH"), f"{len(back)} HF tensors, torch.equal"
+
+    flops = model_flops_per_token(cfg, seq) * batch * seq
+
+    def megatron_train():
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mc.train()
+        if not cuda:  # megatron-core's schedules allocate on "cuda": a plain step checks the rest
+            opt = torch.optim.AdamW(mc.parameters(), lr=1e-5)
+            losses, times = [], []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                with shim():
+                    loss = pg_loss(mc(inputs, positions, attention_mask=causal), targets, adv)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                times.append(time.perf_counter() - t0)
+                losses.append(loss.item())
+            return _train_result(losses, times, flops)
+        ddp = DistributedDataParallel(mc.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), mc)
+        mc.config.finalize_model_grads_func = finalize_model_grads
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-5, bf16=True, params_dtype=dtype,
+                                                     use_distributed_optimizer=True, clip_grad=1.0), [ddp])
+        micro = 4
+
+        def forward_step(data_iter, model):
+            i = next(data_iter)
+            sl = slice(i * micro, (i + 1) * micro)
+            out = model(inputs[sl], positions[sl], attention_mask=causal)
+            return out, lambda o: (pg_loss(o, targets[sl], adv[sl]), {})
+
+        fb = get_forward_backward_func()
+        losses, times = [], []
+        for _ in range(args.steps + 1):  # the first step warms up (allocations, kernels)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            fb(forward_step_func=forward_step, data_iterator=iter(range(batch // micro)), model=[ddp],
+               num_microbatches=batch // micro, seq_length=seq, micro_batch_size=micro, forward_only=False)
+            opt.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            with torch.no_grad():
+                losses.append(pg_loss(mc(inputs[:micro], positions[:micro], attention_mask=causal),
+                                      targets[:micro], adv[:micro]).item())
+        return _train_result(losses[1:], times[1:], flops)
+
+    def hf_train():
+        hf.train()
+        if cuda:
+            hf.gradient_checkpointing_enable()
+        opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, fused=cuda)
+        losses, times = [], []
+        for _ in range(args.steps + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = pg_loss(hf(input_ids=inputs).logits, targets, adv)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        return _train_result(losses[1:], times[1:], flops)
+
+    record("logits vs HF", logits_check)
+    record("export Megatron -> HF", export_check)
+    record(f"train step, megatron-core ({batch} x {seq} tokens)", megatron_train)
+    record(f"train step, HF + torch AdamW ({batch} x {seq} tokens)", hf_train)
+    rows.append(("RL steps via MegatronStrategy + embedded engine (tensor sync)", "NOT RUN",
+                 "MegatronStrategy is not built yet (docs/megatron.md)"))
+
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    summary = "| check | result | detail |\n|---|---|---|\n" + "".join(f"| {a} | {b} | {c} |\n" for a, b, c in rows)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(summary)
+    log.close()
+    print(summary)
+    bad = any(r[1] in ("FAILED", "MISMATCH") or r[2].startswith("LOSS NOT FALLING") for r in rows)
+    return 1 if bad else 0
+
+
+def _train_result(losses: list[float], times: list[float], flops: float) -> tuple[str, str]:
+    finite = all(math.isfinite(x) for x in losses)
+    falling = finite and losses[-1] < losses[0]
+    step = sorted(times)[len(times) // 2]
+    status = "ok" if falling else "LOSS NOT FALLING"
+    return (f"{step:.3f} s/step, {flops / step / 1e12:.1f} TFLOP/s",
+            f"{status}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps (median step)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

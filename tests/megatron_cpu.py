@@ -1,0 +1,109 @@
+"""Test-only helpers for running megatron-core on CPU, in the test process.
+
+megatron-core's forward is written for CUDA. With the local layer spec (no Transformer Engine, no
+fused kernels, dropout 0, an explicit attention mask) only two calls need a GPU, and
+:func:`cpu_forward_shim` patches exactly those while it is active:
+
+1. ``torch.cuda.current_device`` returns ``"cpu"``: ``RotaryEmbedding.get_emb`` moves its
+   ``inv_freq`` to the current CUDA device on the first forward, and
+   ``GlobalMemoryBuffer.get_tensor`` (DotProductAttention's score buffer) allocates there.
+   ``TopKRouter.gating`` moves the router weight there too.
+2. ``CudaRNGStatesTracker.fork`` is a no-op context: DotProductAttention forks the CUDA RNG
+   around its (here p = 0) attention dropout.
+3. ``megatron.core.transformer.moe.moe_utils.te_general_gemm`` is defined as None: megatron-core
+   0.16 imports it only with Transformer Engine, yet ``router_gating_linear`` reads it always (a
+   NameError without TE, on GPU too); 0.17+ sets it to None itself, which selects the torch path.
+
+Nothing else is patched; the model's arithmetic is megatron-core's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from unittest import mock
+
+import torch
+
+
+@contextlib.contextmanager
+def cpu_forward_shim():
+    from megatron.core.tensor_parallel import random as mc_random
+    from megatron.core.transformer.moe import moe_utils
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: "cpu"))
+        stack.enter_context(mock.patch.object(mc_random.CudaRNGStatesTracker, "fork",
+                                              lambda self, *a, **k: contextlib.nullcontext()))
+        if not hasattr(moe_utils, "te_general_gemm"):
+            stack.enter_context(mock.patch.object(moe_utils, "te_general_gemm", None, create=True))
+        yield
+
+
+@contextlib.contextmanager
+def single_process_parallel_state(**sizes):
+    """A 1-process gloo group on 127.0.0.1 and megatron-core's parallel state over it (as
+    megatron's unit tests' ``Utils.initialize_model_parallel`` does, with gloo instead of NCCL);
+    both torn down afterwards."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from lightning_fasync.rollout.launch import free_port
+
+    assert not dist.is_initialized(), "a process group already exists in this test process"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(**sizes)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def require_megatron():
+    """Import megatron-core, or skip (fail under ``LFA_REQUIRE_MEGATRON=1``, as scripts/test sets)."""
+    import pytest
+
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        if os.environ.get("LFA_REQUIRE_MEGATRON") == "1":
+            raise RuntimeError("megatron-core is not installed; scripts/test installs tests/requirements-megatron.txt.")
+        pytest.skip("megatron-core is not installed (the `megatron` extra)", allow_module_level=True)
+
+
+# Tiny configs, one per family, each with what sets it apart: Llama with llama3 RoPE scaling,
+# Qwen2's q/k/v biases, Qwen3 with head_dim != hidden / heads and tied embeddings (as Qwen3-0.6B),
+# Qwen3-MoE with renormalised top-2 of 4 experts. GQA (4 heads, 2 groups) everywhere.
+_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+TINY = {
+    "llama": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                  max_position_embeddings=16384),
+    "qwen2": dict(rope_theta=1000000.0),
+    "qwen3": dict(head_dim=16, tie_word_embeddings=True),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                      norm_topk_prob=True, router_aux_loss_coef=0.001),
+}
+
+
+def tiny_hf_config(family: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family, **{**_COMMON, **TINY[family]})
+
+
+def tiny_hf_model(family: str, seed: int = 0):
+    """A random fp32 HF model of the family; norms randomised too, so a swapped norm shows."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(family), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model.eval()
