@@ -57,6 +57,53 @@ def test_saves_are_atomic_linked_and_pruned(tmp_path):
     assert len(calls) == 1 and not os.path.exists(tmp_path / "other")
 
 
+def dir_saver(value):
+    """A distributed checkpoint's shape: a directory of parts and a metadata file."""
+    def write(path):
+        os.makedirs(path)
+        for rank in range(2):
+            torch.save({"value": value, "rank": rank}, os.path.join(path, f"__{rank}_0.distcp"))
+        torch.save({"value": value}, os.path.join(path, "meta.pt"))
+    return write
+
+
+def test_directory_checkpoints_are_renamed_linked_and_pruned_with_their_hf_directories(tmp_path):
+    files = CheckpointFiles(str(tmp_path / "checkpoints"), keep_last=2)
+    for step in range(3):
+        path = files.save(step, dir_saver(step))
+        os.makedirs(files.hf_path(step))  # trainer.save_hf's directory beside it
+        assert os.path.isdir(path) and load(os.path.join(path, "meta.pt")) == step
+        assert files.last() == os.path.realpath(path)
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert names == ["last.ckpt", "step-000001.ckpt", "step-000001.hf", "step-000002.ckpt", "step-000002.hf"]
+    assert sorted(os.listdir(files.last())) == ["__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    # The same step saved again (a resumed run reaching it) replaces the directory whole.
+    files.save(2, dir_saver(22))
+    assert load(os.path.join(files.path(2), "meta.pt")) == 22 and not any(".old-" in n or ".tmp-" in n for n in
+                                                                         os.listdir(tmp_path / "checkpoints"))
+    # A failed write leaves no partial directory and the previous checkpoint linked.
+    def fails(path):
+        dir_saver(3)(path)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointError, match="step-3 checkpoint .* No space left"):
+        files.save(3, fails)
+    assert files.last() == os.path.realpath(files.path(2))
+    assert not any(n.startswith(".") for n in os.listdir(tmp_path / "checkpoints"))
+
+
+def test_trainer_processes_share_the_trainer_cores_with_one_thread_count():
+    from lightning_fasync.lightning.resources import ResourcePlan, trainer_share
+
+    plan = ResourcePlan([0, 1, 2, 3], [[4, 5]])
+    shares = [trainer_share(plan, r, 2) for r in range(2)]
+    assert [s.trainer_cores for s in shares] == [[0, 1], [2, 3]] and {s.trainer_threads for s in shares} == {2}
+    assert all(s.replica_cores == [[4, 5]] for s in shares)
+    # Fewer cores than processes: every process on all of them, one thread each (never 1 and 2).
+    one = [trainer_share(ResourcePlan([0], [[1]]), r, 2) for r in range(2)]
+    assert [s.trainer_cores for s in one] == [[0], [0]] and {s.trainer_threads for s in one} == {1}
+
+
 def test_pointer_file_where_links_are_unavailable(tmp_path, monkeypatch):
     def no_links(*args, **kwargs):
         raise OSError(errno.EPERM, "Operation not permitted")

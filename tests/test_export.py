@@ -6,6 +6,7 @@ is in tests/test_fit.py::test_embedded_default_learns_end_to_end; the one of a s
 (Lightning's `ModelParallelStrategy`, FSDP2 on 2 CPU processes) is here, marked slow; the others
 check the contracts on checkpoint-shaped files and directories."""
 
+import inspect
 import os
 
 import pytest
@@ -219,7 +220,8 @@ def _sharded_checkpoint(path, policy, model="tiny"):
     state = {"policy." + k: v for k, v in policy.state_dict().items()}
     optim = {"state": {k: {"exp_avg": torch.randn_like(v), "step": torch.tensor(3.0)} for k, v in state.items()},
              "param_groups": [{"lr": 0.1, "params": list(state)}]}
-    dcp.save({"state_dict": state, "optimizer_0": optim}, checkpoint_id=str(path), no_dist=True)
+    single = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}  # torch >= 2.7
+    dcp.save({"state_dict": state, "optimizer_0": optim}, checkpoint_id=str(path), **single)
     torch.save({"epoch": 0, "global_step": 3, "hyper_parameters": {"model": model}}, os.path.join(path, "meta.pt"))
 
 

@@ -73,3 +73,21 @@ def test_a_stream_is_pushed_fresh_and_a_failed_take_names_the_tensor():
     with pytest.raises(WeightSyncError, match=r"step 3 failed taking b \(tensor 2 of 2\).*the gather failed"):
         failing.fill(0, lambda nbytes, device: torch.empty(nbytes, dtype=torch.uint8))
     assert failing.stream.consumed == 2  # the rest is the caller's to drain
+
+
+def test_a_modules_stream_lists_a_tied_tensor_once_checks_specs_and_is_taken_once():
+    from lightning_fasync.lightning.shard_gather import full_tensor_stream, is_sharded
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied, as tie_word_embeddings makes it
+    stream = full_tensor_stream(model)
+    assert not is_sharded(model)
+    assert [s.name for s in stream.specs] == ["0.weight"] and stream.nbytes == 10 * 4 * 4
+    assert [(n, t.data_ptr()) for n, t in stream] == [("0.weight", model[0].weight.data_ptr())]
+    with pytest.raises(RuntimeError, match="iterated once"):
+        list(stream)
+    bad = TensorStream([TensorSpec("w", (2, 2), torch.float32)], lambda i: torch.zeros(3))
+    with pytest.raises(RuntimeError, match=r"produced w as \(3,\) torch.float32; its spec says \(2, 2\)"):
+        bad.drain()
+    with pytest.raises(ValueError, match="unique"):
+        TensorStream([TensorSpec("w", (1,), torch.float32)] * 2, lambda i: torch.zeros(1))

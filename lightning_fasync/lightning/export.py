@@ -18,6 +18,7 @@ checkpoint's ``policy.*`` tensors are checked against them before any weight is 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -209,7 +210,10 @@ def _load_sharded(ckpt_path: str, items: Mapping[str, Any]) -> dict[str, torch.T
     try:
         with warnings.catch_warnings():  # no_dist says it already: one process, no process group
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load({"state_dict": state}, storage_reader=FileSystemReader(ckpt_path), no_dist=True)
+            # no_dist (torch >= 2.7): no collectives even inside a distributed job; older torch
+            # reads in one process when no process group is initialised.
+            single = {"no_dist": True} if "no_dist" in inspect.signature(load).parameters else {}
+            load({"state_dict": state}, storage_reader=FileSystemReader(ckpt_path), **single)
     except Exception as exc:  # noqa: BLE001 - a damaged shard is one message
         raise ConfigError(f"`--ckpt_path` {ckpt_path!r}: the policy's shards cannot be read: {exc}") from None
     return state
