@@ -63,7 +63,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     ws_dir = os.path.join(args.out, "weight_sync")
     code, out = run([py, "benchmarks/weight_sync.py", "--device", args.device, "--models", model, "--dtypes", dtype,
-                     "--paths", "tensor,disk", "--out", ws_dir, *ws_extra],
+                     "--paths", "tensor,disk", "--no-sharded", "--out", ws_dir, *ws_extra],
                     os.path.join(args.out, "weight_sync.log"), 240)
     if code == 0:
         with open(os.path.join(ws_dir, "results.csv")) as f:

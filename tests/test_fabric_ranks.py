@@ -20,7 +20,9 @@ B, STEPS = 4, 3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])  # tensor parallel: tests/test_sharded_fit.py
+# FSDP2 only: the follower protocol is the same for DDP (tests/test_ddp.py runs DDP under the
+# callback) and tensor parallel (tests/test_sharded_fit.py); the driver also takes "ddp" and "tp2".
+@pytest.mark.parametrize("strategy", ["fsdp2"])
 def test_fabric_loop_on_two_processes(tmp_path, strategy):
     """DDP, and ModelParallelStrategy with the policy sharded by shard_policy: FSDP2 over 2
     data-parallel ranks, or tensor parallel over 2 ranks that form one data-parallel rank (the

@@ -38,7 +38,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, layout: str, url: str, version: int, errors) -> None:
+PROMPT = [5, 9, 17, 33, 2, 8]
+
+
+def greedy(rid: str) -> GenerateRequest:
+    return GenerateRequest(rid=rid, input_ids=PROMPT, sampling_params=SamplingParams(temperature=0.0, max_new_tokens=12,
+                                                                                     ignore_eos=True))
+
+
+async def observe(url: str, rid: str):
+    """The engine's greedy output and its weight checksums."""
+    client = SGLangClient([url])
+    try:
+        out = await client.generate(greedy(rid))
+        (reported,) = await client.weight_checksums()
+        return out.output_ids, out.weight_versions, reported
+    finally:
+        await client.close()
+
+
+def _rank_main(rank: int, world: int, port: int, url: str, results, errors) -> None:
+    """Both layouts in turn on the same 2 processes: FSDP2 (2, 1) pushes version 2, then tensor
+    parallel (1, 2) version 3; rank 0 pushes each stream and reports what the engine then serves."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -49,26 +70,26 @@ def _rank_main(rank: int, world: int, port: int, layout: str, url: str, version:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        dims = (world, 1) if layout == "fsdp" else (1, world)
-        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("data_parallel", "tensor_parallel"))
-        policy = shard_policy(trained(), mesh)
-        stream = full_tensor_stream(policy)
-        if rank == 0:
-            sync = make_weight_sync("tensor", SGLangClient([url]), bucket_bytes=256 * 1024, timeout_s=120)
+        for version, layout, dims in ((2, "fsdp", (world, 1)), (3, "tp", (1, world))):
+            mesh = init_device_mesh("cpu", dims, mesh_dim_names=("data_parallel", "tensor_parallel"))
+            stream = full_tensor_stream(shard_policy(trained(), mesh))
+            if rank == 0:
+                sync = make_weight_sync("tensor", SGLangClient([url]), bucket_bytes=256 * 1024, timeout_s=120)
 
-            async def push() -> None:
+                async def push() -> None:
+                    try:
+                        await sync.push(stream, version, step=version - 1)
+                    finally:
+                        await sync.close()
+
                 try:
-                    await sync.push(stream, version, step=version - 1)
+                    asyncio.run(push())
                 finally:
-                    await sync.close()
-
-            try:
-                asyncio.run(push())
-            finally:
-                stream.drain()  # the other rank's gathers need this rank's part whatever happened
-        else:
-            stream.drain()
-        dist.barrier()
+                    stream.drain()  # the other rank's gathers need this rank's part whatever happened
+                results.put((layout, version, asyncio.run(observe(url, layout))))
+            else:
+                stream.drain()
+            dist.barrier()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         import traceback
 
@@ -78,12 +99,12 @@ def _rank_main(rank: int, world: int, port: int, layout: str, url: str, version:
         dist.destroy_process_group()
 
 
-def _push_from_shards(layout: str, url: str, version: int) -> None:
-    """Rank 0 pushes the stream, rank 1 drains its own: 2 spawned processes on gloo."""
+def _push_from_shards(url: str) -> list:
+    """Rank 0 pushes the streams, rank 1 drains its own: 2 spawned processes on gloo."""
     ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
+    errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, layout, url, version, errors)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, url, results, errors)) for r in range(2)]
     for p in procs:
         p.start()
     # Polled, not joined: rank 0's shared-memory buckets start torch's shm manager, which keeps a
@@ -99,6 +120,10 @@ def _push_from_shards(layout: str, url: str, version: int) -> None:
     while not errors.empty():
         messages.append(errors.get())
     assert not messages and all(p.exitcode == 0 for p in procs), "\n".join(messages) or [p.exitcode for p in procs]
+    out = []
+    while not results.empty():
+        out.append(results.get())
+    return out
 
 
 @pytest.mark.slow
@@ -108,21 +133,9 @@ def test_weights_pushed_from_fsdp2_and_tensor_parallel_shards_are_the_single_pro
     model = trained()
     single = {k: v.detach().clone() for k, v in model.state_dict().items()}
     expected = checksums(single)
-    prompt = [5, 9, 17, 33, 2, 8]
-    request = lambda rid: GenerateRequest(rid=rid, input_ids=prompt, sampling_params=SamplingParams(  # noqa: E731
-        temperature=0.0, max_new_tokens=12, ignore_eos=True))
     pool = RolloutPool("tiny", num_replicas=1, max_running_requests=4, context_length=256).start()
     try:
         url = pool.worker_urls[0]
-
-        async def observe(rid: str):
-            client = SGLangClient([url])
-            try:
-                out = await client.generate(request(rid))
-                (reported,) = await client.weight_checksums()
-                return out, reported
-            finally:
-                await client.close()
 
         async def push_single(version: int) -> None:
             sync = make_weight_sync("tensor", SGLangClient([url]), bucket_bytes=256 * 1024, timeout_s=120)
@@ -131,15 +144,15 @@ def test_weights_pushed_from_fsdp2_and_tensor_parallel_shards_are_the_single_pro
             finally:
                 await sync.close()
 
-        before, _ = asyncio.run(observe("before"))
+        before, _, _ = asyncio.run(observe(url, "before"))
         asyncio.run(push_single(1))
-        reference, reported = asyncio.run(observe("single"))
-        assert reference.output_ids != before.output_ids  # the pushed weights are not the engine's own
+        reference, versions, reported = asyncio.run(observe(url, "single"))
+        assert reference != before and versions == [1] * 12  # the pushed weights are not the engine's own
         assert {k: expected[k] for k in reported} == reported
-        for version, layout in ((2, "fsdp"), (3, "tp")):
-            _push_from_shards(layout, url, version)
-            out, reported = asyncio.run(observe(layout))
+        seen = _push_from_shards(url)
+        assert [(layout, version) for layout, version, _ in seen] == [("fsdp", 2), ("tp", 3)]
+        for layout, version, (out, versions, reported) in seen:
             assert {k: expected[k] for k in reported} == reported, layout
-            assert out.output_ids == reference.output_ids and out.weight_versions == [version] * 12, layout
+            assert out == reference and versions == [version] * 12, layout
     finally:
         pool.stop()
