@@ -42,13 +42,36 @@ def test_ddp_two_cpu_processes(tmp_path):
         "last.ckpt", "step-000001.ckpt"]
 
 
-def test_ddp_refuses_a_minibatch_the_ranks_cannot_share(tmp_path):
-    cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
-           "--trainer.enable_progress_bar=false", "--trainer.strategy=ddp", "--trainer.devices=3",
-           "--trainer.accelerator=cpu", "--trainer.rollout_steps=1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode != 0
-    assert "cannot share evenly" in proc.stdout + proc.stderr
+def test_a_minibatch_the_data_parallel_ranks_cannot_share_is_refused_at_setup(tmp_path):
+    """M // N = 2 groups per call: 3 data-parallel ranks cannot share them (refused before anything
+    starts); 2 tensor-parallel ranks that form one data-parallel rank can."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lightning_fasync.config import ConfigError
+    from lightning_fasync.lightning import RLPolicyModule
+    from lightning_fasync.lightning.callback import FullyAsyncCallback
+
+    config = {"colocate": False, "fully_async": {"enable": True},
+              "data_source": {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2},
+              "trainer": {"mini_batch_size": 4}}
+
+    def trainer(dp: int, world: int, rank: int):
+        # A meta root device: no core pinning of this test process on the rank that is not 0.
+        strategy = SimpleNamespace(distributed_sampler_kwargs={"rank": 0, "num_replicas": dp}, global_rank=rank,
+                                   world_size=world, num_processes=world, root_device=torch.device("meta"))
+        return SimpleNamespace(strategy=strategy, global_rank=rank, world_size=world, local_rank=rank,
+                               log_dir=str(tmp_path), default_root_dir=str(tmp_path))
+
+    cb = FullyAsyncCallback(config)
+    module = RLPolicyModule(**RLPolicyModule.algorithm_args(cb.cfg))
+    with pytest.raises(ConfigError, match="2 groups, which 3 data-parallel ranks cannot share evenly"):
+        cb.setup(trainer(3, 3, 0), module, "fit")
+    assert cb.runtime is None
+    tp = FullyAsyncCallback(config)
+    tp.setup(trainer(1, 2, 1), module, "fit")  # rank 1 of one data-parallel rank: accepted, starts nothing
+    assert (tp._dp_rank, tp._dp_size) == (0, 1) and tp.runtime is None
 
 
 def test_strategies_the_weight_sync_cannot_gather_from_are_refused_with_a_clear_error():

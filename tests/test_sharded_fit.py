@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ledger_audit import audit_resume, children_of
+from lightning_fasync.cli import main
 from lightning_fasync.pipeline.events import read_jsonl
 from lightning_fasync.plots import read_scalars
 from lightning_fasync.policy import build_policy
@@ -98,9 +99,7 @@ def test_fsdp2_run_killed_then_resumed_with_tensor_parallel_trains_every_prompt_
                           (run2_dir, os.path.join(run2_dir, "checkpoints", "last.ckpt"))):
         step_name = os.path.basename(os.path.realpath(last))
         out = tmp_path / f"exported-{os.path.basename(run_dir)}"
-        proc = subprocess.run([sys.executable, "-m", "lightning_fasync.cli", "export", "--ckpt_path", last,
-                               "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert main(["export", "--ckpt_path", last, "--out", str(out)]) == 0  # lightning-fasync export
         exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
         gathered = AutoModelForCausalLM.from_pretrained(
             os.path.join(run_dir, "checkpoints", step_name.replace(".ckpt", ".hf"))).eval()
