@@ -90,3 +90,14 @@ def test_strategies_the_weight_sync_cannot_gather_from_are_refused_with_a_clear_
     with pytest.raises(ConfigError, match="`trainer.strategy` is FSDPStrategy.*use ModelParallelStrategy"):
         cb.setup(trainer, SimpleNamespace(), "fit")
     assert cb.runtime is None  # nothing started
+
+
+def test_model_parallel_is_a_strategy_name():
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    import lightning_fasync.lightning  # noqa: F401 - registers the name
+
+    trainer = Trainer(strategy="model_parallel", accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    assert isinstance(trainer.strategy, ModelParallelStrategy)
