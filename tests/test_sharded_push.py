@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 
 import pytest
@@ -16,6 +15,7 @@ import torch.multiprocessing as mp
 from lightning_fasync.pipeline.engine_client import GenerateRequest, SamplingParams
 from lightning_fasync.policy import build_policy
 from lightning_fasync.rollout.client import SGLangClient
+from lightning_fasync.rollout.launch import free_port
 from lightning_fasync.rollout.weight_checksum import checksums
 from lightning_fasync.rollout.weight_sync import make_weight_sync
 
@@ -30,12 +30,6 @@ def trained(seed: int = SEED) -> torch.nn.Module:
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     return model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PROMPT = [5, 9, 17, 33, 2, 8]
@@ -103,7 +97,7 @@ def _push_from_shards(url: str) -> list:
     """Rank 0 pushes the streams, rank 1 drains its own: 2 spawned processes on gloo."""
     ctx = mp.get_context("spawn")
     errors, results = ctx.SimpleQueue(), ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, url, results, errors)) for r in range(2)]
     for p in procs:
         p.start()

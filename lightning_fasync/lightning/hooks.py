@@ -47,11 +47,9 @@ class FullyAsyncHooks:
                 f"Cannot tell which weights the engines serve: {type(self).__name__} holds {len(found)} Hugging Face "
                 "models; override engine_state_dict()."
             )
-        from lightning_fasync.lightning.shard_gather import full_tensor_stream, is_sharded
+        from lightning_fasync.lightning.shard_gather import engine_weights
 
-        if is_sharded(found[0]):
-            return full_tensor_stream(found[0])
-        return {k: v.detach() for k, v in found[0].state_dict().items()}
+        return engine_weights(found[0])
 
     def prepare_rollout_batch(self, groups: list[TrajectoryGroup]) -> Any:
         """Turn one training call's M // N groups into what ``training_step`` reads as

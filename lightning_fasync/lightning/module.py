@@ -276,11 +276,9 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         policy's only, never the reference's. A sharded policy (``configure_model`` under
         ``ModelParallelStrategy``) gives a :class:`TensorStream` that gathers one tensor at a time;
         every rank calls this and consumes it (see :mod:`~lightning_fasync.lightning.shard_gather`)."""
-        from lightning_fasync.lightning.shard_gather import full_tensor_stream, is_sharded
+        from lightning_fasync.lightning.shard_gather import engine_weights
 
-        if is_sharded(self.policy):
-            return full_tensor_stream(self.policy)
-        return {k: v.detach() for k, v in self.policy.state_dict().items()}
+        return engine_weights(self.policy)
 
     @override
     def begin_rollout_step(self, step: int) -> None:

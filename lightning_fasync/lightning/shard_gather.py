@@ -11,13 +11,13 @@ the others with ``drain()``. Main thread only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Union
 
 import torch
 
 from lightning_fasync.rollout.tensor_stream import TensorSpec, TensorStream
 
-__all__ = ["full_tensor_stream", "is_sharded"]
+__all__ = ["engine_weights", "full_tensor_stream", "is_sharded"]
 
 
 def _dtensor_type() -> Any:
@@ -57,3 +57,11 @@ def full_tensor_stream(module: torch.nn.Module) -> TensorStream:
         return value.detach()
 
     return TensorStream(specs, produce)
+
+
+def engine_weights(model: torch.nn.Module) -> Union[dict[str, torch.Tensor], TensorStream]:
+    """What the engines get of ``model`` (a Hugging Face model): its state dict, detached, or, when
+    it is sharded, :func:`full_tensor_stream` of it (every rank calls this and consumes the stream)."""
+    if is_sharded(model):
+        return full_tensor_stream(model)
+    return {k: v.detach() for k, v in model.state_dict().items()}
