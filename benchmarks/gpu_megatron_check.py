@@ -9,11 +9,14 @@ Face config with the converted HF weights (``lightning_fasync.megatron``; TP = P
    wrapper, the distributed optimizer from ``get_megatron_optimizer``, ``get_forward_backward_func``,
    full activation recompute) against HF with gradient checkpointing and torch AdamW; seconds per
    step and model TFLOP/s for both; loss must be finite and fall over ``--steps`` steps on the fixed
-   batch. The loss is a token-level policy-gradient surrogate with fixed advantages (the project's
-   RL loss runs there once ``MegatronStrategy`` exists).
+   batch. The loss is a token-level policy-gradient surrogate with fixed advantages (the RL loss
+   itself runs in step 4).
 
-Not covered yet (needs ``MegatronStrategy``, docs/megatron.md): RL steps with the embedded engine
-and weight sync over the ``tensor`` path.
+4. **RL steps**: ``lightning-fasync fit`` with ``MegatronStrategy`` on the GPU (bf16, TP = PP = 1)
+   for ``--steps`` rollout steps of the ``qwen3-0.6b-shape`` preset against the embedded engine
+   (which ``fit`` starts on the CPU cores), weights over the ``tensor`` path: finite losses and a
+   weight push every step. On CPU (``--device cpu``) this stage is skipped: tests/test_megatron_fit.py
+   runs it under the test shim.
 
 megatron-core must be importable, or a wheel of it lie in ``--wheels`` (the GPU machine has no
 package index): ``pip download --no-deps "megatron-core>=0.16.1,<0.17" --only-binary=:all:
@@ -249,8 +252,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     record("export Megatron -> HF", export_check)
     record(f"train step, megatron-core ({batch} x {seq} tokens)", megatron_train)
     record(f"train step, HF + torch AdamW ({batch} x {seq} tokens)", hf_train)
-    rows.append(("RL steps via MegatronStrategy + embedded engine (tensor sync)", "NOT RUN",
-                 "MegatronStrategy is not built yet (docs/megatron.md)"))
+    if cuda:
+        record("RL steps via MegatronStrategy + embedded engine (tensor sync)", lambda: rl_fit(args, log))
+    else:
+        rows.append(("RL steps via MegatronStrategy + embedded engine (tensor sync)", "skipped on CPU",
+                     "tests/test_megatron_fit.py runs it on CPU ranks under the test shim"))
 
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -259,8 +265,40 @@ def main(argv: Optional[list[str]] = None) -> int:
         f.write(summary)
     log.close()
     print(summary)
-    bad = any(r[1] in ("FAILED", "MISMATCH") or r[2].startswith("LOSS NOT FALLING") for r in rows)
+    bad = any(r[1] in ("FAILED", "MISMATCH", "INCOMPLETE") or r[2].startswith("LOSS NOT FALLING") for r in rows)
     return 1 if bad else 0
+
+
+def rl_fit(args, log) -> tuple[str, str]:
+    """``lightning-fasync fit`` with MegatronStrategy on this GPU (TP = PP = 1, bf16) for ``--steps``
+    rollout steps of the Qwen3-0.6B-shaped preset against the embedded engine (on the CPU cores, as
+    ``fit`` starts it), weights over the ``tensor`` path: finite losses, weights pushed every step."""
+    from lightning_fasync.plots import read_scalars
+
+    root = os.path.join(args.out, "fit")
+    cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"),
+           "--model.model=qwen3-0.6b-shape", "--model.mixed_precision=bf16", "--model.micro_batch_size=4",
+           "--model.lr_schedule=constant", "--model.grad_clip=1.0", "--trainer.gradient_clip_val=null",
+           "--trainer.strategy=MegatronStrategy", "--trainer.accelerator=gpu", "--trainer.devices=1",
+           f"--trainer.rollout_steps={args.steps}", f"--trainer.default_root_dir={root}", "--trainer.save_freq=0",
+           "--trainer.enable_progress_bar=false", "--rollout.weight_sync=tensor", "--rollout.max_response_length=32",
+           "--data_source.num_prompts_per_step=4", "--data_source.num_trajectories_per_prompt=4",
+           "--trainer.mini_batch_size=8", "--algorithm.entropy_coef=0.001"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    log.write(f"== fit\n{' '.join(cmd)}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}\n")
+    if proc.returncode != 0:
+        return "FAILED", f"exit {proc.returncode} after {time.monotonic() - t0:.0f} s (run.log)"
+    runs = sorted(os.listdir(os.path.join(root, "lightning_logs")))
+    tb = read_scalars(os.path.join(root, "lightning_logs", runs[-1]))
+    losses = [v for _, v in tb.get("train/loss", [])]
+    train = sorted(v for _, v in tb.get("timing/train", []))
+    sync = sorted(v for _, v in tb.get("timing/update_weights", []))
+    ok = len(losses) == args.steps and all(math.isfinite(v) for v in losses) and len(sync) >= args.steps - 1
+    return ("ok" if ok else "INCOMPLETE"), (
+        f"{len(losses)} steps, losses {', '.join(f'{v:.3g}' for v in losses)}; median timing/train "
+        f"{train[len(train) // 2] if train else float('nan'):.2f} s, update_weights "
+        f"{sync[len(sync) // 2] if sync else float('nan'):.2f} s")
 
 
 def _train_result(losses: list[float], times: list[float], flops: float) -> tuple[str, str]:

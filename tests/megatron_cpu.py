@@ -15,15 +15,30 @@ fused kernels, dropout 0, an explicit attention mask) only two calls need a GPU,
    NameError without TE, on GPU too); 0.17+ sets it to None itself, which selects the torch path.
 
 Nothing else is patched; the model's arithmetic is megatron-core's own.
+
+Training (megatron-core's ``DistributedDataParallel``, its optimizers, ``get_forward_backward_func``'s
+schedules, pipeline p2p) is written for CUDA in more places; :func:`cpu_training_shim` adds, on top
+of the above:
+
+4. :class:`CudaAsCpu`, a ``TorchFunctionMode``: a ``device=`` argument naming CUDA becomes
+   ``cpu`` (``torch.zeros(..., device="cuda")`` in the schedules' token counter, the optimizers'
+   ``found_inf`` / ``_scale``, the grad buffers); ``Tensor.cuda()`` returns the tensor itself;
+   ``Tensor.type()`` answers ``torch.cuda.FloatTensor`` for ``torch.FloatTensor`` (the optimizers
+   check their parameters' types by these names).
+5. ``torch.cuda.synchronize`` is a no-op (pipeline p2p waits with it after ``batch_isend_irecv``).
+
+Collectives, gradients, optimizer arithmetic and the schedules are megatron-core's own, over gloo.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from unittest import mock
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 @contextlib.contextmanager
@@ -38,6 +53,85 @@ def cpu_forward_shim():
         if not hasattr(moe_utils, "te_general_gemm"):
             stack.enter_context(mock.patch.object(moe_utils, "te_general_gemm", None, create=True))
         yield
+
+
+def _cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    d = torch.device(device)
+    return torch.device("cpu") if d.type == "cuda" else d
+
+
+class CudaAsCpu(TorchFunctionMode):
+    """CPU stands in for CUDA: see the module docstring, item 4."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.to:
+            args = tuple(_cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_training_shim():
+    """:func:`cpu_forward_shim` plus what megatron-core's training path needs on CPU (items 4-5)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cpu_forward_shim())
+        stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None))
+        stack.enter_context(CudaAsCpu())
+        yield
+
+
+def _spawned(rank, world, port, init, fn, args):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    torch.set_num_threads(1)
+    if init:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    else:  # as torchrun leaves it: Lightning's strategy creates the group
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
+                          WORLD_SIZE=str(world), RANK=str(rank))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with cpu_training_shim():
+                fn(rank, *args)
+    finally:
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 240.0, init_process_group: bool = True):
+    """Run ``fn(rank, *args)`` on ``world`` spawned processes over a gloo group on 127.0.0.1, under
+    :func:`cpu_training_shim`; ``fn`` initialises megatron-core's parallel state itself (it is torn
+    down after). With ``init_process_group=False`` the ranks get torchrun's environment instead
+    (``LOCAL_RANK``, ``MASTER_PORT``...) and a Lightning strategy creates the group. ``fn`` must be
+    importable (module level). A failing rank fails the call."""
+    import torch.multiprocessing as mp
+
+    from lightning_fasync.rollout.launch import free_port
+
+    ctx = mp.start_processes(_spawned, args=(world, free_port(), init_process_group, fn, args), nprocs=world,
+                             join=False, start_method="spawn")
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"{fn.__name__} on {world} ranks did not finish in {timeout:.0f} s")
 
 
 @contextlib.contextmanager

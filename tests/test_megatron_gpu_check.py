@@ -24,4 +24,4 @@ def test_gpu_megatron_check_runs_on_cpu(tmp_path):
     rows = {line.split(" | ")[0].lstrip("| "): line for line in summary.splitlines()[2:]}
     assert "| ok |" in rows["logits vs HF"] and "| ok |" in rows["export Megatron -> HF"]
     assert "ok: loss" in rows["train step, megatron-core (2 x 32 tokens)"]
-    assert "NOT RUN" in rows["RL steps via MegatronStrategy + embedded engine (tensor sync)"]
+    assert "skipped on CPU" in rows["RL steps via MegatronStrategy + embedded engine (tensor sync)"]

@@ -202,11 +202,14 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
 
 def run_identity(cfg: FasyncConfig, model: Any = None) -> dict[str, Any]:
     """What a checkpoint records about its run: the flattened plugin config and the model's shape
-    (parameter names and shapes)."""
+    (parameter names and global shapes: a module whose state dict holds shards, as
+    ``MegatronPolicyModule``'s, says them with ``policy_shapes()``)."""
     config: dict[str, Any] = {}
     _flatten("", asdict(cfg), config)
     shape = None
-    if model is not None:
+    if model is not None and callable(getattr(model, "policy_shapes", None)):
+        shape = model.policy_shapes()
+    elif model is not None:
         shape = {name: list(p.shape) for name, p in model.state_dict().items()}
     return {"config": config, "model_shape": shape}
 

@@ -26,6 +26,7 @@ from lightning_fasync.lightning.checkpoints import find_last
 from lightning_fasync.lightning.module import RLPolicyModule
 from lightning_fasync.lightning.progress import RolloutProgressBar
 from lightning_fasync.lightning.strategy import FullyAsyncStrategy
+from lightning_fasync.megatron.strategy import MegatronStrategy  # noqa: F401 - --trainer.strategy=MegatronStrategy
 
 # Spec keys under `trainer.` that Lightning's Trainer does not take (`num_nodes` means the same in both).
 RL_TRAINER_KEYS = [k for k in TrainerConfig.__dataclass_fields__ if k != "num_nodes"]
@@ -61,6 +62,12 @@ class FasyncCLI(LightningCLI):
             ns["ckpt_path"] = find_last_checkpoint(trainer_ns.get("default_root_dir") or ".")
         for key in RL_TRAINER_KEYS:
             del trainer_ns[key]
+        if self.model_class.__name__ == "MegatronPolicyModule" and trainer_ns.get("gradient_clip_val") is not None:
+            raise ConfigError(
+                f"`trainer.gradient_clip_val` is {trainer_ns['gradient_clip_val']} under MegatronStrategy, whose optimizer "
+                f"is megatron-core's: set `model.grad_clip: {trainer_ns['gradient_clip_val']}` and "
+                "`trainer.gradient_clip_val: null` (Lightning clips only under automatic optimisation)."
+            )
 
     def instantiate_trainer(self, **kwargs: Any):
         init = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -107,6 +114,55 @@ def _where_it_went(cli: FasyncCLI) -> None:
     )
 
 
+MEGATRON_STRATEGY_NAMES = ("MegatronStrategy", "lightning_fasync.megatron.MegatronStrategy",
+                           "lightning_fasync.megatron.strategy.MegatronStrategy", "megatron")
+
+
+def _strategy_named(args: Sequence[str]) -> Optional[str]:
+    """The ``trainer.strategy`` the command line (or, failing that, its ``--config`` files, the last
+    one that sets it) names, as a class name or path; None when neither does."""
+    import yaml
+
+    named: Optional[str] = None
+    configs: list[str] = []
+    for i, arg in enumerate(args):
+        value = args[i + 1] if i + 1 < len(args) else None
+        for key in ("--trainer.strategy", "--trainer.strategy.class_path"):
+            if arg == key and value is not None:
+                named = value
+            elif arg.startswith(key + "="):
+                named = arg.split("=", 1)[1]
+        if arg == "--config" and value is not None:
+            configs.append(value)
+        elif arg.startswith("--config="):
+            configs.append(arg.split("=", 1)[1])
+    if named is not None:
+        return named
+    for path in configs:
+        try:
+            with open(path) as f:
+                strategy = ((yaml.safe_load(f) or {}).get("trainer") or {}).get("strategy")
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue  # the CLI's own parser reports it
+        if isinstance(strategy, dict):
+            strategy = strategy.get("class_path")
+        if isinstance(strategy, str):
+            named = strategy
+    return named
+
+
+def policy_class(args: Sequence[str]) -> type:
+    """The policy module the CLI builds from ``model.*``: :class:`RLPolicyModule`, or under
+    ``MegatronStrategy`` its megatron-core counterpart
+    :class:`~lightning_fasync.megatron.MegatronPolicyModule` (the same keys, plus
+    ``micro_batch_size`` and ``grad_clip``)."""
+    if _strategy_named(args) in MEGATRON_STRATEGY_NAMES:
+        from lightning_fasync.megatron.module import MegatronPolicyModule
+
+        return MegatronPolicyModule
+    return RLPolicyModule
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-fasync fit ...``: returns the exit status."""
     if argv is None:
@@ -122,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.append("--weights_only=true")
     try:
         cli = FasyncCLI(
-            RLPolicyModule,
+            policy_class(sys.argv[1:] if args is None else args),
             args=args,
             trainer_defaults={"strategy": lazy_instance(FullyAsyncStrategy), "max_epochs": -1, "log_every_n_steps": 1},
             save_config_kwargs={"overwrite": True},

@@ -7,7 +7,10 @@ A checkpoint is a file (single device, DDP), read with ``torch.load(weights_only
 directory (``ModelParallelStrategy``: ``torch.distributed.checkpoint`` shards plus Lightning's
 ``meta.pt``; or a link to one, such as ``last.ckpt``): its ``meta.pt`` is read with
 ``weights_only=True``, and only the policy's tensors are read from the shards, each assembled whole
-in this one process (no process group; the optimizer state is not read). The policy is described by
+in this one process (no process group; the optimizer state is not read). A ``MegatronStrategy``
+checkpoint (megatron-core ``dist_checkpointing`` shards, recognised by its ``megatron.json``) is
+assembled into one unsharded ``GPTModel`` in this process and converted to Hugging Face names
+(:func:`lightning_fasync.megatron.checkpoint.export_hf`; the ``megatron`` extra). The policy is described by
 the module's ``model`` hyperparameter (a preset or a Hugging Face directory: what ``RLPolicyModule``
 was built from, or ``--model``), built on the meta device for its config, names and shapes; the
 checkpoint's ``policy.*`` tensors are checked against them before any weight is read.
@@ -76,6 +79,10 @@ def export_checkpoint(ckpt_path: str, out: str, model: Optional[str] = None, pre
         raise ConfigError(f"`--ckpt_path` {ckpt_path!r} does not exist: give a checkpoint file or a sharded "
                           "checkpoint directory.")
     _check_out(out, overwrite, "--out", "pass --overwrite")
+    from lightning_fasync.megatron.checkpoint import is_megatron_checkpoint
+
+    if is_megatron_checkpoint(ckpt_path):
+        return _export_megatron(ckpt_path, out, model, overwrite)
     sharded = os.path.isdir(ckpt_path)
     if sharded:
         found, hparams = _open_sharded(ckpt_path)
@@ -219,6 +226,26 @@ def _load_sharded(ckpt_path: str, items: Mapping[str, Any]) -> dict[str, torch.T
     return state
 
 
+def _export_megatron(ckpt_path: str, out: str, model: Optional[str], overwrite: bool) -> str:
+    """A ``MegatronStrategy`` checkpoint (megatron-core ``dist_checkpointing`` shards): assembled and
+    converted in this process by :func:`lightning_fasync.megatron.checkpoint.export_hf`."""
+    from lightning_fasync.megatron.checkpoint import export_hf
+
+    name = model
+    if not name:
+        try:
+            extra = torch.load(os.path.join(ckpt_path, META_FILENAME), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is one message
+            raise ConfigError(f"`--ckpt_path` {ckpt_path!r}: its {META_FILENAME} cannot be read: {exc}") from None
+        name = ((extra.get("hyper_parameters") if isinstance(extra, dict) else None) or {}).get("model")
+    if not name:
+        raise ConfigError(
+            f"`--ckpt_path` {ckpt_path!r} does not say which policy it trained (no `model` hyperparameter); "
+            "pass --model (a preset or a Hugging Face directory)."
+        )
+    return export_hf(ckpt_path, out, str(name), overwrite=overwrite)
+
+
 # ------------------------------------------------------------------------------ the policy's layout
 
 
@@ -350,7 +377,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="lightning-fasync export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt_path", required=True,
                         help="a checkpoint written by `lightning-fasync fit`: a file (single device, DDP), a sharded "
-                             "checkpoint directory (model_parallel), or a link to either such as last.ckpt")
+                             "checkpoint directory (model_parallel, megatron), or a link to either such as last.ckpt")
     parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
     parser.add_argument("--model", default=None, help="the policy it trained (default: the checkpoint's `model`)")
     parser.add_argument("--prefix", default=PREFIX, help=f"the policy's prefix in the state_dict (default {PREFIX!r})")

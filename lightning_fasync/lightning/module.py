@@ -205,8 +205,6 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
                 f"`model.mixed_precision` is {mixed_precision!r}; it must be null or one of {', '.join(MIXED_PRECISION)}."
             )
         self.save_hyperparameters(ignore=["algorithm"])
-        from lightning_fasync.policy import build_policy
-
         self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
         self.use_rollout_log_probs = use_rollout_log_probs
         self.mask_offpolicy_in_partial_rollout = mask_offpolicy_in_partial_rollout
@@ -220,13 +218,19 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
                 "the KL penalty needs a reference model (e.g. `policy`, a frozen copy of the initial policy)."
             )
         self.model_name_or_path = model
-        self.policy, self.tokenizer = build_policy(model)
+        self.policy, self.tokenizer = self._build_policy(model)
         # Kept out of nn.Module's registry (see the class docstring): __dict__, not setattr. Built
         # from the policy as built, i.e. its initial weights.
         self.__dict__["_reference"] = build_reference(ref, self.policy, self.tokenizer) if ref.model else None
         self.policy.train()
         self.snapshot = OldActorSnapshot(self.policy, offload_to_cpu=snapshot_offload)
         self._metrics: dict[str, float] = {}
+
+    def _build_policy(self, model: str) -> tuple[torch.nn.Module, Any]:
+        """The policy and its tokenizer for ``model`` (a preset or a local HF directory)."""
+        from lightning_fasync.policy import build_policy
+
+        return build_policy(model)
 
     @property
     def reference(self) -> Optional[torch.nn.Module]:
@@ -342,10 +346,14 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
     def train_dataloader(self):
         return rollout_dataloader()
 
+    def _optimizer(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        return torch.optim.AdamW(self.policy.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=hp.betas)
+
     @override
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = torch.optim.AdamW(self.policy.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=hp.betas)
+        optimizer = self._optimizer()
         if hp.lr_schedule == "constant" and hp.warmup_steps == 0:
             return optimizer
         total = self.trainer.max_steps if self._trainer is not None else -1
@@ -360,18 +368,8 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
 
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
-        if batch.groups is None:
-            raise RuntimeError("training_step got an unfilled RolloutBatch: add FullyAsyncCallback to the Trainer.")
         algo = self.algorithm
-        data = batch.data if batch.data is not None else self.prepare_rollout_batch(batch.groups)
-        mask = data.response_mask
-        if self.mask_offpolicy_in_partial_rollout:
-            mask = mask_offpolicy_tokens(mask, data.weight_versions).to(mask.dtype)
-
-        advantages, nan_mask = compute_advantages(data.rewards, algo)
-        advantages = advantages.reshape(-1).to(self.device)
-        nan_mask = nan_mask.reshape(-1).to(self.device)
-
+        data, mask, advantages, nan_mask = self.call_inputs(batch)
         method = algo.prox_logp_method
         # The step's first training call trains the step-start weights themselves: its own forward
         # gives the old log-probs, so the snapshot is only taken (for the later calls), not run.
@@ -391,6 +389,43 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             ref_log_probs, teacher_s = self.reference_log_probs(data)
         log_probs, entropy = token_log_probs(self.policy, data, with_entropy=True, entropy_grad=algo.entropy_coef != 0.0,
                                              temperature=self.rollout_temperature)
+        loss, metrics = self.policy_objective(batch, data, mask, advantages, nan_mask, log_probs, entropy, old_log_probs,
+                                              ref_log_probs)
+        if teacher_s is not None:
+            metrics["timing/teacher"] = teacher_s  # seconds of this call; the step sums timing/*
+        if self._trainer is not None and self.trainer.optimizers:
+            metrics["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
+        metrics.update(memory_metrics(self.device))
+        self._metrics = metrics
+        return loss
+
+    def call_inputs(self, batch: RolloutBatch) -> tuple[PolicyBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One training call's tensors: the batch, the trained-token mask (without the tokens of
+        older weights under ``rollout.mask_offpolicy_in_partial_rollout``), the per-sequence
+        advantages and the mask of sequences whose reward is NaN."""
+        if batch.groups is None:
+            raise RuntimeError("training_step got an unfilled RolloutBatch: add FullyAsyncCallback to the Trainer.")
+        data = batch.data if batch.data is not None else self.prepare_rollout_batch(batch.groups)
+        mask = data.response_mask
+        if self.mask_offpolicy_in_partial_rollout:
+            mask = mask_offpolicy_tokens(mask, data.weight_versions).to(mask.dtype)
+        advantages, nan_mask = compute_advantages(data.rewards, self.algorithm)
+        return data, mask, advantages.reshape(-1).to(self.device), nan_mask.reshape(-1).to(self.device)
+
+    def policy_objective(self, batch: RolloutBatch, data: PolicyBatch, mask: torch.Tensor, advantages: torch.Tensor,
+                         nan_mask: torch.Tensor, log_probs: torch.Tensor, entropy: Optional[torch.Tensor],
+                         old_log_probs: Optional[torch.Tensor], ref_log_probs: Optional[torch.Tensor],
+                         with_metrics: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+        """The training call's loss and ``train/*`` metrics from the policy's token log-probs (and
+        entropy) over the call's whole batch: the proximal log-probs of ``algorithm.prox_logp_method``
+        when ``old_log_probs`` is None, the policy loss with its corrections, and the lag metrics.
+
+        Every batch-level quantity (the aggregation's denominators, M2PO's mask) comes from inputs
+        fixed before the forward, so rows whose ``log_probs`` carry no graph only weigh on their own
+        tokens: a pipeline schedule passes one micro-batch's rows with a graph and the others
+        detached, and the micro-batches' gradients sum to the whole batch's."""
+        algo = self.algorithm
+        method = algo.prox_logp_method
         approx: Optional[torch.Tensor] = None
         if method != "recompute" and not self.use_rollout_log_probs:
             if batch.rollout_step < 0:
@@ -412,10 +447,10 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             nan_mask=nan_mask,
             normalizer=self._loss_normalizer(),
         )
+        if not with_metrics:
+            return loss, {}
         if method == "metrics" and approx is not None:
             metrics["train/prox_approx_abs_err"] = masked_mean((approx - old_log_probs).abs(), mask).item()
-        if teacher_s is not None:
-            metrics["timing/teacher"] = teacher_s  # seconds of this call; the step sums timing/*
         if batch.rollout_step >= 0:
             # How old the trained tokens are, and how the corrections behave at each lag.
             metrics.update(
@@ -425,11 +460,7 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
                     is_c=algo.is_correction.c, clip_low=algo.clip_low, clip_high=algo.clip_high,
                 )
             )
-        if self._trainer is not None and self.trainer.optimizers:
-            metrics["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
-        metrics.update(memory_metrics(self.device))
-        self._metrics = metrics
-        return loss
+        return loss, metrics
 
     def _loss_normalizer(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """With several data-parallel ranks (DDP, FSDP2), the loss's denominator is the whole

@@ -27,7 +27,11 @@ def data_parallel(strategy: Any) -> tuple[int, int, Any]:
     data-parallel group only."""
     kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     rank, size = kwargs.get("rank", strategy.global_rank), kwargs.get("num_replicas", strategy.world_size)
-    mesh = getattr(strategy, "device_mesh", None) if size != strategy.world_size else None
+    if size == strategy.world_size:
+        return int(rank), int(size), None
+    if hasattr(strategy, "data_parallel_group"):  # MegatronStrategy: megatron-core's group
+        return int(rank), int(size), strategy.data_parallel_group
+    mesh = getattr(strategy, "device_mesh", None)
     group = mesh["data_parallel"].get_group() if mesh is not None else None
     return int(rank), int(size), group
 

@@ -1,0 +1,152 @@
+"""MegatronStrategy + MegatronPolicyModule against RLPolicyModule on one process.
+
+Two training calls of one rollout step (the second under the old-actor snapshot) run through
+Lightning's Trainer with ``MegatronStrategy`` on 2 CPU ranks (gloo; megatron-core's DDP, distributed
+optimizer and ``get_forward_backward_func`` schedule, under ``tests/megatron_cpu.py``'s
+``cpu_training_shim``), and through ``RLPolicyModule`` with torch's AdamW on one process, from the
+same Hugging Face weights and batches. Tensor parallel (vocab-parallel log-probs) and pipeline
+parallel (two micro-batches, p2p) must give the same metrics (loss, entropy, gradient norm, which
+Adam's update would hide a wrong loss scale from) and the same weights after the steps, as the
+engines receive them (the HF-named stream, gathered from the shards); data parallel (each rank one
+of the call's two groups, the distributed optimizer's reduce-scatter) the same gradient norm and
+weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from megatron_cpu import require_megatron, run_ranks, tiny_hf_model
+
+require_megatron()
+
+from lightning_fasync.config import AlgorithmConfig  # noqa: E402
+from lightning_fasync.lightning.batch import RolloutBatch  # noqa: E402
+from lightning_fasync.types import PromptId, PromptSample, Trajectory, TrajectoryGroup, TrajectoryStatus  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+LR = 1e-2
+COMPARED = ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/clip_ratio")
+
+
+def save_tiny_model(path) -> None:
+    from lightning_fasync.policy import build_char_tokenizer
+
+    hf = tiny_hf_model("qwen3")  # tied embeddings, q/k norms, 2 layers, 4 heads on 2 kv heads, vocab 96
+    hf.save_pretrained(path)
+    build_char_tokenizer().save_pretrained(path)
+
+
+def make_batches() -> list[RolloutBatch]:
+    """Two calls of rollout step 0, 4 sequences each (2 groups of 2), of unequal lengths."""
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for call in range(2):
+        groups = []
+        for k in range(2):
+            prompt = torch.randint(3, 96, (3 + k,), generator=g).tolist()
+            trajs = []
+            for i in range(2):
+                n = 4 + 2 * i + k
+                t = Trajectory(prompt_id=PromptId(0, 2 * call + k), sample_index=i, prompt_ids=prompt,
+                               status=TrajectoryStatus.COMPLETED, reward=float((i + k + call) % 2))
+                t.extend(torch.randint(3, 96, (n,), generator=g).tolist(),
+                         (-torch.rand(n, generator=g) * 3).tolist(), [0] * n)
+                trajs.append(t)
+            groups.append(TrajectoryGroup(PromptSample(PromptId(0, 2 * call + k), prompt), 0, trajs))
+        batches.append(RolloutBatch(groups=groups, rollout_step=0, call_index=call, calls_per_step=2))
+    return batches
+
+
+def module_kwargs() -> dict:
+    # No clipping, no weight decay: the update is Adam's alone on both sides.
+    return dict(lr=LR, betas=(0.9, 0.99), algorithm=AlgorithmConfig(entropy_coef=0.01), snapshot_offload=False)
+
+
+def reference_run(model_dir) -> tuple[list[dict], dict]:
+    from lightning_fasync.algorithms import grad_norm_metric
+    from lightning_fasync.lightning.module import RLPolicyModule
+
+    module = RLPolicyModule(str(model_dir), **module_kwargs())
+    optimizer = torch.optim.AdamW(module.policy.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.0, eps=1e-8)
+    metrics = []
+    module.begin_rollout_step(0)
+    for batch in make_batches():
+        optimizer.zero_grad()
+        loss = module.training_step(batch, 0)
+        loss.backward()
+        m = dict(module.rollout_metrics())
+        m.update(grad_norm_metric(module.policy.parameters()))
+        optimizer.step()
+        metrics.append(m)
+    return metrics, {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
+
+
+def megatron_rank(rank, model_dir, out, sizes, micro_batch_size, world=2):
+    import lightning.pytorch as pl
+
+    from lightning_fasync.megatron import MegatronPolicyModule, MegatronStrategy
+
+    class Record(pl.Callback):
+        def __init__(self):
+            self.metrics = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            # What FullyAsyncCallback does: fill the dataloader's ticket with this data-parallel
+            # rank's share of the call's groups.
+            from lightning_fasync.lightning.ranks import data_parallel, dp_share
+
+            vars(batch).update(vars(make_batches()[batch_idx]))
+            dp_rank, dp_size, _ = data_parallel(trainer.strategy)
+            batch.groups = dp_share(batch.groups, dp_rank, dp_size)
+            pl_module.begin_rollout_step(0)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.metrics.append(dict(pl_module.rollout_metrics()))
+
+        def on_train_end(self, trainer, pl_module):  # parallel state is torn down after fit
+            stream = pl_module.engine_state_dict()
+            if rank == 0:
+                torch.save({"metrics": self.metrics, "weights": dict(stream)}, out)
+            else:
+                stream.drain()
+
+    module = MegatronPolicyModule(str(model_dir), micro_batch_size=micro_batch_size, grad_clip=0.0, **module_kwargs())
+    record = Record()
+    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=MegatronStrategy(**sizes), max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[record], use_distributed_sampler=False)
+    trainer.fit(module)  # the module's rollout_dataloader() tickets
+
+
+@pytest.mark.parametrize("sizes,micro_batch_size", [
+    ({"tensor_model_parallel_size": 2}, None),
+    ({"pipeline_model_parallel_size": 2}, 2),
+    ({}, None),
+], ids=["tp2", "pp2-2microbatches", "dp2-distributed-optimizer"])
+def test_megatron_training_calls_equal_single_process_rlpolicymodule(tmp_path, sizes, micro_batch_size):
+    model_dir = tmp_path / "model"
+    save_tiny_model(model_dir)
+    out = tmp_path / "megatron.pt"
+    run_ranks(megatron_rank, 2, model_dir, out, sizes, micro_batch_size, init_process_group=False)
+    got = torch.load(out, weights_only=True)
+    want_metrics, want_weights = reference_run(model_dir)
+
+    assert len(got["metrics"]) == 2
+    # With DP=2 rank 0 trained one of the two groups: its own metrics are of its share (the callback
+    # reduces them over the ranks); the gradient norm is the whole call's.
+    compared = COMPARED if sizes else ("train/grad_norm",)
+    for call, (g, w) in enumerate(zip(got["metrics"], want_metrics)):
+        for key in compared:
+            assert math.isclose(g[key], w[key], rel_tol=1e-4, abs_tol=1e-6), (call, key, g[key], w[key])
+    assert got["metrics"][1]["train/lr"] == pytest.approx(LR)
+    # The engines' view: HF names and shapes, every tensor, the trained values.
+    assert set(got["weights"]) == set(want_weights) - {"lm_head.weight"}  # tied: the checkpoint has none
+    initial = tiny_hf_model("qwen3").state_dict()
+    for name, tensor in got["weights"].items():
+        assert tensor.shape == want_weights[name].shape, name
+        torch.testing.assert_close(tensor, want_weights[name], rtol=1e-4, atol=1e-5, msg=name)
+        assert not torch.equal(tensor, initial[name]) or "norm" in name, f"{name} was not trained"
