@@ -26,6 +26,10 @@ of the above:
    ``Tensor.type()`` answers ``torch.cuda.FloatTensor`` for ``torch.FloatTensor`` (the optimizers
    check their parameters' types by these names).
 5. ``torch.cuda.synchronize`` is a no-op (pipeline p2p waits with it after ``batch_isend_irecv``).
+6. ``torch.cuda.Stream``, ``torch.cuda.current_stream`` and ``torch.cuda.stream`` are stand-ins
+   whose waits do nothing (CPU work is ordered anyway), and the all-to-all token dispatcher's
+   ``maybe_move_tensor_to_cpu`` gives a host tensor (or, asked, a numpy array) as it does for a CUDA
+   one: the MoE dispatcher copies its split sizes to the host on a side stream.
 
 Collectives, gradients, optimizer arithmetic and the schedules are megatron-core's own, over gloo.
 """
@@ -81,12 +85,60 @@ class CudaAsCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _Stream:
+    """Stands in for ``torch.cuda.Stream`` on CPU (item 6)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return _Event()
+
+
+class _Event:
+    """What :meth:`_Stream.record_event` returns: complete at once."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
+_DEFAULT_STREAM = _Stream()
+
+
+def _to_host(tensor, as_numpy=False, record_stream=False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors that are on the host already (item 6)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 @contextlib.contextmanager
 def cpu_training_shim():
-    """:func:`cpu_forward_shim` plus what megatron-core's training path needs on CPU (items 4-5)."""
+    """:func:`cpu_forward_shim` plus what megatron-core's training path needs on CPU (items 4-6)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(cpu_forward_shim())
         stack.enter_context(mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None))
+        stack.enter_context(mock.patch.object(torch.cuda, "Stream", _Stream))
+        stack.enter_context(mock.patch.object(torch.cuda, "current_stream", lambda *a, **k: _DEFAULT_STREAM))
+        stack.enter_context(mock.patch.object(torch.cuda, "stream", lambda s=None: contextlib.nullcontext()))
+        from megatron.core.transformer.moe import token_dispatcher
+
+        stack.enter_context(mock.patch.object(token_dispatcher, "maybe_move_tensor_to_cpu", _to_host))
         stack.enter_context(CudaAsCpu())
         yield
 

@@ -35,7 +35,7 @@ def test_valid_layouts_give_the_data_parallel_size(sizes, world, dp):
          r"context_parallel_size is 3 x 1 x 1 = 3, which does not divide the world size 8; TP x PP x CP x DP "
          r"must equal the world size\.$"),
         (ParallelSizes(expert_model_parallel_size=3), 6, MODEL, r"does not divide the model's 128 experts"),
-        (ParallelSizes(expert_model_parallel_size=2), 2, {**MODEL, "num_experts": None},
+        (ParallelSizes(expert_model_parallel_size=2), 2, {**MODEL, "num_experts": 0},
          r"`trainer\.strategy\.init_args\.expert_model_parallel_size` is 2 but the model has no experts"),
         (ParallelSizes(tensor_model_parallel_size=2, expert_model_parallel_size=8), 8, MODEL,
          r"expert_model_parallel_size` x expert_tensor_parallel_size x pipeline_model_parallel_size is "
@@ -80,3 +80,15 @@ def test_test_requirement_is_the_extra():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     extra = re.search(r'^megatron = \["([^"]+)"\]', open(os.path.join(root, "pyproject.toml")).read(), re.M)
     assert extra and open(os.path.join(root, "tests", "requirements-megatron.txt")).read().split() == [extra.group(1)]
+
+
+@pytest.mark.parametrize("family, sizes, match", [
+    ("qwen3", ParallelSizes(tensor_model_parallel_size=4), r"is 4, which does not divide the model's vocabulary of 98"),
+    ("qwen3_moe", ParallelSizes(tensor_model_parallel_size=2),
+     r"is 2 for a mixture-of-experts model; .* use TP 1 and split the experts with expert_model_parallel_size"),
+])
+def test_the_trainers_own_rules_for_a_model(family, sizes, match):
+    cfg = tiny_hf_config(family)
+    cfg.vocab_size = 98 if family == "qwen3" else cfg.vocab_size
+    with pytest.raises(ConfigError, match=r"^`trainer\.strategy\.init_args\.tensor_model_parallel_size` " + match):
+        validate_for_model(sizes, 4, cfg)

@@ -22,8 +22,8 @@ from lightning_fasync.megatron import MegatronPolicyModule, MegatronStrategy  # 
 def test_strategy_refuses_what_it_cannot_run_naming_the_key():
     with pytest.raises(ConfigError, match=r"`trainer\.strategy\.init_args\.context_parallel_size` is 2"):
         MegatronStrategy(context_parallel_size=2)
-    with pytest.raises(ConfigError, match=r"`trainer\.strategy\.init_args\.sequence_parallel` is true"):
-        MegatronStrategy(sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"`trainer\.strategy\.init_args\.sequence_parallel` is true; .* local layer"):
+        MegatronStrategy(tensor_model_parallel_size=2, sequence_parallel=True)
 
 
 def test_layout_is_checked_against_the_world_size_before_any_process_group():
@@ -139,7 +139,8 @@ def test_the_qwen3_30b_config_trains_with_megatron_in_a_layout_that_validates():
                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
                          moe_intermediate_size=768, norm_topk_prob=True)
     world = data["trainer"]["devices"] * data["trainer"]["num_nodes"]
-    assert validate_for_model(strategy.sizes, world, cfg) == 2  # TP 4 -> DP 2 over the 8 trainer GPUs
+    assert validate_for_model(strategy.sizes, world, cfg) == 8  # EP 8 over DP 8 (TP 1: MoE under TP needs SP)
+    assert strategy.sizes.tensor_model_parallel_size == 1
     assert cfg.vocab_size % strategy.sizes.tensor_model_parallel_size == 0
     module_args = MegatronPolicyModule.__init__.__code__.co_varnames
     assert all(key in module_args for key in data["model"])  # every model.* key is the module's

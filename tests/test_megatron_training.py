@@ -32,11 +32,21 @@ LR = 1e-2
 COMPARED = ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm", "train/clip_ratio")
 
 
-def save_tiny_model(path) -> None:
+def save_tiny_model(path, family: str = "qwen3", layers: int = 2) -> None:
+    from transformers import AutoModelForCausalLM
+
     from lightning_fasync.policy import build_char_tokenizer
 
-    hf = tiny_hf_model("qwen3")  # tied embeddings, q/k norms, 2 layers, 4 heads on 2 kv heads, vocab 96
-    hf.save_pretrained(path)
+    # qwen3: tied embeddings, q/k norms, 4 heads on 2 kv heads, vocab 96; qwen3_moe: top-2 of 4
+    # experts on every layer, without the router's auxiliary loss (HF's RL loss has none).
+    from transformers import AutoConfig
+
+    from megatron_cpu import _COMMON, TINY
+
+    extra = {"router_aux_loss_coef": 0.0} if family == "qwen3_moe" else {}
+    cfg = AutoConfig.for_model(family, **{**_COMMON, **TINY[family], "num_hidden_layers": layers, **extra})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     build_char_tokenizer().save_pretrained(path)
 
 
@@ -122,14 +132,17 @@ def megatron_rank(rank, model_dir, out, sizes, micro_batch_size, world=2):
     trainer.fit(module)  # the module's rollout_dataloader() tickets
 
 
-@pytest.mark.parametrize("sizes,micro_batch_size", [
-    ({"tensor_model_parallel_size": 2}, None),
-    ({"pipeline_model_parallel_size": 2}, 2),
-    ({}, None),
-], ids=["tp2", "pp2-2microbatches", "dp2-distributed-optimizer"])
-def test_megatron_training_calls_equal_single_process_rlpolicymodule(tmp_path, sizes, micro_batch_size):
+@pytest.mark.parametrize("sizes,micro_batch_size,model", [
+    ({"tensor_model_parallel_size": 2}, None, ("qwen3", 2)),
+    ({"pipeline_model_parallel_size": 2}, 2, ("qwen3", 2)),
+    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 1, ("qwen3", 4)),
+    ({}, None, ("qwen3", 2)),
+    ({"expert_model_parallel_size": 2}, None, ("qwen3_moe", 2)),
+], ids=["tp2", "pp2-2microbatches", "pp2-vpp2-interleaved", "dp2-distributed-optimizer",
+        "ep2-dp2-moe"])
+def test_megatron_training_calls_equal_single_process_rlpolicymodule(tmp_path, sizes, micro_batch_size, model):
     model_dir = tmp_path / "model"
-    save_tiny_model(model_dir)
+    save_tiny_model(model_dir, *model)
     out = tmp_path / "megatron.pt"
     run_ranks(megatron_rank, 2, model_dir, out, sizes, micro_batch_size, init_process_group=False)
     got = torch.load(out, weights_only=True)
@@ -138,15 +151,31 @@ def test_megatron_training_calls_equal_single_process_rlpolicymodule(tmp_path, s
     assert len(got["metrics"]) == 2
     # With DP=2 rank 0 trained one of the two groups: its own metrics are of its share (the callback
     # reduces them over the ranks); the gradient norm is the whole call's.
-    compared = COMPARED if sizes else ("train/grad_norm",)
+    data_parallel = not sizes or "expert_model_parallel_size" in sizes  # EP=2 spans the two DP ranks
+    compared = ("train/grad_norm",) if data_parallel else COMPARED
     for call, (g, w) in enumerate(zip(got["metrics"], want_metrics)):
         for key in compared:
             assert math.isclose(g[key], w[key], rel_tol=1e-4, abs_tol=1e-6), (call, key, g[key], w[key])
     assert got["metrics"][1]["train/lr"] == pytest.approx(LR)
-    # The engines' view: HF names and shapes, every tensor, the trained values.
-    assert set(got["weights"]) == set(want_weights) - {"lm_head.weight"}  # tied: the checkpoint has none
-    initial = tiny_hf_model("qwen3").state_dict()
+    # The engines' view: HF names and shapes (the checkpoint's: per-expert, no lm_head when tied),
+    # every tensor, the trained values.
+    from transformers import AutoModelForCausalLM
+
+    from lightning_fasync.megatron.convert.qwen3_moe import unfuse_experts
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    initial = unfuse_experts(dict(hf.state_dict()))
+    want_weights = unfuse_experts(want_weights)
+    tied = {"lm_head.weight"} if hf.config.tie_word_embeddings else set()
+    assert set(got["weights"]) == set(want_weights) - tied
     for name, tensor in got["weights"].items():
         assert tensor.shape == want_weights[name].shape, name
-        torch.testing.assert_close(tensor, want_weights[name], rtol=1e-4, atol=1e-5, msg=name)
-        assert not torch.equal(tensor, initial[name]) or "norm" in name, f"{name} was not trained"
+        # Adam divides by the root of the squared gradient, so an element whose gradient is near
+        # zero moves by up to lr on summation-order noise alone (other splits, other sums): nearly
+        # every element must agree closely, and none by more than a tenth of the two steps' reach.
+        diff = (tensor - want_weights[name]).abs()
+        assert diff.max() < 0.1 * 2 * LR, (name, diff.max().item())
+        off = int((diff > 1e-5).sum())
+        assert off <= max(1, 0.02 * diff.numel()), (name, off, diff.numel())
+    trained = [n for n, t in got["weights"].items() if not torch.equal(t, initial[n])]
+    assert len(trained) == len(got["weights"]), sorted(set(got["weights"]) - set(trained))

@@ -240,18 +240,13 @@ class MegatronPolicyModule(RLPolicyModule):
 
         from lightning_fasync.megatron import shards
         from lightning_fasync.megatron.model import build_gpt_model
-        from lightning_fasync.megatron.parallel import KEY_PREFIX, validate_for_model
+        from lightning_fasync.megatron.parallel import validate_for_model
 
         strategy = self._strategy()
         cfg = self.hf_config
         validate_for_model(strategy.sizes, strategy.world_size, cfg)
-        tp = strategy.sizes.tensor_model_parallel_size
-        if cfg.vocab_size % tp:
-            raise ConfigError(
-                f"`{KEY_PREFIX}tensor_model_parallel_size` is {tp}, which does not divide the model's vocabulary "
-                f"of {cfg.vocab_size}; each TP rank holds an equal slice of the embeddings and the output layer."
-            )
         layout = strategy.layer_spec
+        moe = bool(getattr(cfg, "num_experts", None)) and cfg.model_type.endswith("_moe")
         dtype = DTYPES[self.hparams.mixed_precision]
         overrides: dict[str, Any] = dict(
             strategy.model_parallel_kwargs(),
@@ -263,6 +258,10 @@ class MegatronPolicyModule(RLPolicyModule):
             # initialises them, and its gradient norm and clipping skip unmarked duplicates.
             perform_initialization=True,
         )
+        if moe and strategy.sizes.expert_model_parallel_size > 1:
+            # Each data-parallel rank's share of a call has its own length: the all-to-all
+            # dispatcher exchanges token counts, the default all-gather one needs equal shapes.
+            overrides["moe_token_dispatcher_type"] = "alltoall"
         if self.hparams.activation_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         vpp = strategy.sizes.virtual_pipeline_model_parallel_size
@@ -392,8 +391,6 @@ class MegatronPolicyModule(RLPolicyModule):
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         algo = self.algorithm
         data, mask, advantages, nan_mask = self.call_inputs(batch)
-        data = _pad_length(data, self._sequence_multiple(), self.tokenizer.pad_token_id)
-        mask = torch.nn.functional.pad(mask, (0, data.response_mask.shape[1] - mask.shape[1]))
         method = algo.prox_logp_method
         first_call = batch.call_index == 0 and not self.snapshot.has_snapshot
         old_log_probs: Optional[torch.Tensor] = None
@@ -442,25 +439,6 @@ class MegatronPolicyModule(RLPolicyModule):
         metrics["train/lr"] = opt.param_groups[0]["lr"]
         metrics.update(memory_metrics(self.device))
         self._metrics = metrics
-
-    def _sequence_multiple(self) -> int:
-        strategy = self._strategy()
-        return strategy.sizes.tensor_model_parallel_size if strategy.sequence_parallel else 1
-
-
-def _pad_length(data: PolicyBatch, multiple: int, pad_id: int) -> PolicyBatch:
-    """``data`` right-padded to a length that is a multiple of ``multiple`` (sequence parallelism
-    splits the sequence over the TP ranks); unchanged when it is one already."""
-    L = data.input_ids.shape[1]
-    extra = -L % multiple
-    if not extra:
-        return data
-    fields = dict(vars(data))
-    for name, value in vars(data).items():
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] in (L, L - 1):
-            fill = pad_id if name == "input_ids" else (-1 if name == "weight_versions" else 0)
-            fields[name] = torch.nn.functional.pad(value, (0, extra), value=fill)
-    return PolicyBatch(**fields)
 
 
 def _from_last_stage(metrics: Optional[dict[str, float]]) -> dict[str, float]:

@@ -54,6 +54,8 @@ def validate_parallel(
     num_experts: int | None = None,
 ) -> int:
     """Check ``sizes`` against the world size and the model; returns the data-parallel size.
+    The model's sizes left None are not checked (the strategy checks the world size before the
+    module has read its config); ``num_experts`` 0 is a dense model.
 
     Raises:
         ConfigError: naming the first rule broken.
@@ -112,7 +114,7 @@ def validate_parallel(
                 f"{_key('expert_model_parallel_size')} is {ep}, which does not divide the model's "
                 f"{num_experts} experts; each EP rank must hold the same number of experts."
             )
-    elif ep > 1:
+    elif num_experts is not None and ep > 1:  # 0: a dense model; None: the model is not known yet
         raise ConfigError(
             f"{_key('expert_model_parallel_size')} is {ep} but the model has no experts; "
             "expert parallelism needs a mixture-of-experts model."
@@ -121,12 +123,30 @@ def validate_parallel(
 
 
 def validate_for_model(sizes: ParallelSizes, world_size: int, hf_config: Any) -> int:
-    """:func:`validate_parallel` with the model's sizes read from a Hugging Face config."""
+    """:func:`validate_parallel` with the model's sizes read from a Hugging Face config, and what the
+    trainer (megatron-core's local layer spec) adds: TP divides the vocabulary (each TP rank holds an
+    equal slice of the embeddings and the output layer, unpadded), and a mixture-of-experts model
+    trains with TP 1 (megatron-core's MoE layers train under TP only with sequence parallelism,
+    whose norms the local spec lacks)."""
     heads = hf_config.num_attention_heads
-    return validate_parallel(
+    num_experts = (getattr(hf_config, "num_experts", None) or 0) if hf_config.model_type.endswith("_moe") else 0
+    dp = validate_parallel(
         sizes, world_size,
         num_layers=hf_config.num_hidden_layers,
         num_attention_heads=heads,
         num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
-        num_experts=getattr(hf_config, "num_experts", None) if hf_config.model_type.endswith("_moe") else None,
+        num_experts=num_experts,
     )
+    tp = sizes.tensor_model_parallel_size
+    if hf_config.vocab_size % tp:
+        raise ConfigError(
+            f"{_key('tensor_model_parallel_size')} is {tp}, which does not divide the model's vocabulary of "
+            f"{hf_config.vocab_size}; each TP rank holds an equal slice of the embeddings and the output layer."
+        )
+    if num_experts and tp > 1:
+        raise ConfigError(
+            f"{_key('tensor_model_parallel_size')} is {tp} for a mixture-of-experts model; megatron-core trains MoE "
+            "layers under TP only with sequence parallelism, which the local layer spec lacks: use TP 1 and split "
+            "the experts with expert_model_parallel_size."
+        )
+    return dp

@@ -215,18 +215,18 @@ def load_hf_weights_sharded(chunks: Sequence[torch.nn.Module], get_hf: Callable[
             return get_hf(hf_name)
         return hf_meta[hf_name]  # another stage's or EP rank's: left unread
 
-    assigned: set[str] = set()
+    assigned: set[int] = set()  # by parameter: virtual-pipeline chunks repeat local names
     with torch.no_grad():
         for i, (name, tensor) in enumerate(convert.iter_hf_to_megatron(get, cfg, layout)):
             position = i + 1
             for s in shards.get(name, ()):
-                if s.local_name in assigned:
-                    raise RuntimeError(f"The GPTModel parameter {s.local_name!r} was loaded twice.")
+                if id(s.param) in assigned:
+                    raise RuntimeError(f"The GPTModel parameter {s.local_name!r} ({name}) was loaded twice.")
                 s.param.copy_(_slice(tensor, s))
-                assigned.add(s.local_name)
+                assigned.add(id(s.param))
             del tensor
     for s in (s for group in shards.values() for s in group):
-        if s.local_name not in assigned:
+        if id(s.param) not in assigned:
             raise RuntimeError(f"The GPTModel parameter {s.local_name!r} was not loaded.")
 
 

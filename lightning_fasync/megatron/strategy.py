@@ -57,6 +57,8 @@ class MegatronStrategy(DDPStrategy):
         expert_model_parallel_size: EP; each MoE layer's experts split over this many ranks.
         expert_tensor_parallel_size: each expert's matrices split over this many ranks; None: TP.
         sequence_parallel: split the activations outside attention and MLP over the TP ranks.
+            megatron-core's local layer spec (the one the model is built from) has no sequence-parallel
+            norms (they need Transformer Engine or Apex): only false is accepted for now.
         use_distributed_optimizer: shard the optimizer state and the float32 main weights over the
             data-parallel ranks (megatron-core's distributed optimizer, ZeRO-1 style).
         overlap_grad_reduce: overlap the gradients' reduce-scatter with the backward pass.
@@ -103,10 +105,11 @@ class MegatronStrategy(DDPStrategy):
                 "needs Transformer Engine's attention, and the model is built from megatron-core's local layer spec, "
                 "so only 1 is supported for now."
             )
-        if sequence_parallel and tensor_model_parallel_size == 1:
+        if sequence_parallel:
             raise ConfigError(
-                "`trainer.strategy.init_args.sequence_parallel` is true with tensor_model_parallel_size 1; sequence "
-                "parallelism splits activations over the tensor-parallel ranks, so it needs TP > 1."
+                "`trainer.strategy.init_args.sequence_parallel` is true; megatron-core's local layer spec, which the "
+                "model is built from, has no sequence-parallel norms (they need Transformer Engine), so only false "
+                "is supported for now."
             )
         from lightning_fasync.megatron.checkpoint import OPTIMIZER_FORMATS
 
@@ -160,6 +163,11 @@ class MegatronStrategy(DDPStrategy):
             expert_model_parallel_size=s.expert_model_parallel_size,
             expert_tensor_parallel_size=s.expert_tensor_parallel_size or s.tensor_model_parallel_size,
             sequence_parallel=self.sequence_parallel,
+            # The interleaved schedule sends activations and gradients between the same two ranks
+            # at once (with PP = 2 a rank's next and previous stage are one rank): batched, the two
+            # messages can be matched to each other's receives. Megatron-LM's default for it:
+            # overlapped, unbatched p2p, one direction on the pipeline group and one on another.
+            **(dict(overlap_p2p_comm=True, batch_p2p_comm=False) if s.virtual_pipeline_model_parallel_size else {}),
         )
 
     # ------------------------------------------------------------------ Lightning
