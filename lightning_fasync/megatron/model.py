@@ -24,14 +24,26 @@ def layer_spec(cfg: Any, layout: str = "local"):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **kwargs)
 
 
-def build_gpt_model(cfg: Any, layout: str = "local", *, pre_process: bool = True, post_process: bool = True,
-                    vp_stage: int | None = None, **config_overrides: Any):
-    """A ``GPTModel`` equivalent to the HF config. ``config_overrides`` go to ``TransformerConfig``
-    (parallel sizes, ``params_dtype``, ``bf16``, ``use_cpu_initialization``...)."""
-    from megatron.core.models.gpt import GPTModel
+def transformer_config(cfg: Any, **config_overrides: Any):
+    """megatron-core's ``TransformerConfig`` for the HF config; ``config_overrides`` (parallel sizes,
+    ``params_dtype``, ``bf16``, ``use_cpu_initialization``...) win."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(**convert.transformer_config_kwargs(cfg, **config_overrides))
+    return TransformerConfig(**convert.transformer_config_kwargs(cfg, **config_overrides))
+
+
+def build_gpt_model(cfg: Any, layout: str = "local", *, pre_process: bool = True, post_process: bool = True,
+                    vp_stage: int | None = None, config: Any = None, **config_overrides: Any):
+    """A ``GPTModel`` equivalent to the HF config. ``config_overrides`` go to ``TransformerConfig``
+    (parallel sizes, ``params_dtype``, ``bf16``, ``use_cpu_initialization``...); or pass ``config``
+    (:func:`transformer_config`), which virtual-pipeline chunks share, as megatron-core expects (its
+    schedule reads hooks such as ``finalize_model_grads_func`` from the first chunk's)."""
+    from megatron.core.models.gpt import GPTModel
+
+    if config is None:
+        config = transformer_config(cfg, **config_overrides)
+    elif config_overrides:
+        raise TypeError("build_gpt_model takes a config or config overrides, not both.")
     return GPTModel(config, layer_spec(cfg, layout), pre_process=pre_process, post_process=post_process,
                     vp_stage=vp_stage, **convert.gpt_model_kwargs(cfg))
 

@@ -239,7 +239,7 @@ class MegatronPolicyModule(RLPolicyModule):
         from megatron.core import parallel_state
 
         from lightning_fasync.megatron import shards
-        from lightning_fasync.megatron.model import build_gpt_model
+        from lightning_fasync.megatron.model import build_gpt_model, transformer_config
         from lightning_fasync.megatron.parallel import validate_for_model
 
         strategy = self._strategy()
@@ -265,14 +265,14 @@ class MegatronPolicyModule(RLPolicyModule):
         if self.hparams.activation_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         vpp = strategy.sizes.virtual_pipeline_model_parallel_size
+        config = transformer_config(cfg, **overrides)  # one, shared by the chunks
         chunks = []
         for i in range(vpp or 1):
             vp = i if vpp else None
             chunks.append(build_gpt_model(
-                cfg, layout, vp_stage=vp,
+                cfg, layout, vp_stage=vp, config=config,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-                **overrides,
             ).to(strategy.root_device))
         shards.load_hf_weights_sharded(chunks, self.__dict__.pop("_hf_get"), cfg, layout)
         self.policy.extend(chunks)
