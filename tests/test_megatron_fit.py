@@ -1,11 +1,11 @@
 """``lightning-fasync fit`` with ``MegatronStrategy`` end to end, on 2 CPU processes (gloo).
 
 The same ``FullyAsyncCallback``, step protocol, checkpoints and metrics as every other trainer:
-a Qwen3-shaped policy trains with pipeline parallelism (PP=2: rank 0 holds the embedding and the
-first layer, rank 1 the second layer and the output; two micro-batches per call) against the
-embedded engine, pushing weights gathered from the stages every step, and writes megatron-core
-``dist_checkpointing`` checkpoints and ``trainer.save_hf`` directories. A second run resumes the
-last checkpoint with tensor parallelism instead (TP=2: another layout), and the ledger shows every
+a Qwen3-shaped policy trains a step with pipeline parallelism (PP=2: rank 0 holds the embedding
+and the first layer, rank 1 the second layer and the output; two micro-batches per call) against
+the embedded engine, pushing weights gathered from the stages, and writes a megatron-core
+``dist_checkpointing`` checkpoint and a ``trainer.save_hf`` directory. A second run resumes the
+checkpoint for a second step with tensor parallelism instead (TP=2: another layout), and the ledger shows every
 prompt trained exactly once. ``lightning-fasync export`` of the last checkpoint equals the trainer's
 own gathered ``save_hf`` directory. Each rank runs under ``tests/megatron_cpu.py``'s
 ``cpu_training_shim`` (``tests/megatron_fit.py``); the engines run without it.
@@ -72,11 +72,11 @@ def fit(tmp_path, model_dir, layout: list[str], steps: int, extra: list[str], na
 def test_pipeline_parallel_run_then_tensor_parallel_resume_trains_every_prompt_once(tmp_path):
     model_dir = tmp_path / "policy"
     save_policy(model_dir)
-    fit(tmp_path, model_dir, ["--trainer.strategy.pipeline_model_parallel_size=2"], 2, [], "pp2")
-    fit(tmp_path, model_dir, ["--trainer.strategy.tensor_model_parallel_size=2"], 3, ["--ckpt_path", "last"], "tp2")
+    fit(tmp_path, model_dir, ["--trainer.strategy.pipeline_model_parallel_size=2"], 1, [], "pp2")
+    fit(tmp_path, model_dir, ["--trainer.strategy.tensor_model_parallel_size=2"], 2, ["--ckpt_path", "last"], "tp2")
 
     run1, run2 = (os.path.join(tmp_path, "lightning_logs", f"version_{i}") for i in (0, 1))
-    audit_resume(read_jsonl(os.path.join(run1, "ledger.jsonl")), read_jsonl(os.path.join(run2, "ledger.jsonl")), B, 3)
+    audit_resume(read_jsonl(os.path.join(run1, "ledger.jsonl")), read_jsonl(os.path.join(run2, "ledger.jsonl")), B, 2)
     consumed = [r for r in read_jsonl(os.path.join(run2, "ledger.jsonl")) if r["kind"] == "consume"]
     assert max(r["end_version"] for r in consumed) >= 1  # the engines served weights pushed from the shards
     for run in (run1, run2):

@@ -144,11 +144,6 @@ def _tensor_parallel(rank):
         _assert_stream(rank, model, hf.config, sd)
 
 
-@pytest.mark.slow  # 2 spawned ranks importing megatron-core: ~20 s
-def test_tensor_parallel_qwen3_and_qwen2():
-    run_ranks(_tensor_parallel, 2)
-
-
 def _pipeline_parallel(rank):
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -183,11 +178,6 @@ def _pipeline_parallel(rank):
     _assert_stream(rank, model, hf.config, sd)
 
 
-@pytest.mark.slow  # 2 spawned ranks importing megatron-core: ~20 s
-def test_pipeline_parallel_qwen3_with_ddp_wrapper():
-    run_ranks(_pipeline_parallel, 2)
-
-
 def _expert_parallel(rank):
     from megatron.core import parallel_state
 
@@ -213,6 +203,14 @@ def _expert_parallel(rank):
     _assert_stream(rank, model, hf.config, sd)
 
 
-@pytest.mark.slow  # 2 spawned ranks importing megatron-core: ~20 s
-def test_expert_parallel_qwen3_moe():
-    run_ranks(_expert_parallel, 2)
+def _every_layout(rank):
+    from megatron.core import parallel_state
+
+    for layout in (_tensor_parallel, _pipeline_parallel, _expert_parallel):
+        layout(rank)  # raises naming the layout's function
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.slow  # 2 spawned ranks importing megatron-core, the three layouts one after the other
+def test_tensor_pipeline_and_expert_parallel_load_and_export():
+    run_ranks(_every_layout, 2)

@@ -95,6 +95,13 @@ def reference_run(model_dir) -> tuple[list[dict], dict]:
     return metrics, {k: v.detach().clone() for k, v in module.policy.state_dict().items()}
 
 
+def megatron_ranks(rank, jobs):
+    """Every layout's run in the same two processes, one after the other (a process group and
+    megatron-core's parallel state per run would cost a spawn each)."""
+    for model_dir, out, sizes, micro_batch_size in jobs:
+        megatron_rank(rank, model_dir, out, sizes, micro_batch_size)
+
+
 def megatron_rank(rank, model_dir, out, sizes, micro_batch_size, world=2):
     import lightning.pytorch as pl
 
@@ -132,26 +139,42 @@ def megatron_rank(rank, model_dir, out, sizes, micro_batch_size, world=2):
     trainer.fit(module)  # the module's rollout_dataloader() tickets
 
 
-@pytest.mark.parametrize("sizes,micro_batch_size,model", [
-    ({"tensor_model_parallel_size": 2}, None, ("qwen3", 2)),
-    ({"pipeline_model_parallel_size": 2}, 2, ("qwen3", 2)),
-    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 1, ("qwen3", 4)),
-    ({}, None, ("qwen3", 2)),
-    ({"expert_model_parallel_size": 2}, None, ("qwen3_moe", 2)),
-], ids=["tp2", "pp2-2microbatches", "pp2-vpp2-interleaved", "dp2-distributed-optimizer",
-        "ep2-dp2-moe"])
-def test_megatron_training_calls_equal_single_process_rlpolicymodule(tmp_path, sizes, micro_batch_size, model):
-    model_dir = tmp_path / "model"
-    save_tiny_model(model_dir, *model)
-    out = tmp_path / "megatron.pt"
-    run_ranks(megatron_rank, 2, model_dir, out, sizes, micro_batch_size, init_process_group=False)
-    got = torch.load(out, weights_only=True)
+LAYOUTS = {  # id: (MegatronStrategy sizes, model.micro_batch_size, (family, layers))
+    "tp2": ({"tensor_model_parallel_size": 2}, None, ("qwen3", 2)),
+    "pp2-2microbatches": ({"pipeline_model_parallel_size": 2}, 2, ("qwen3", 2)),
+    "pp2-vpp2-interleaved": ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}, 1,
+                             ("qwen3", 4)),
+    "dp2-distributed-optimizer": ({}, None, ("qwen3", 2)),
+    "ep2-dp2-moe": ({"expert_model_parallel_size": 2}, None, ("qwen3_moe", 2)),
+    # Expert TP = 2 is not here: the all-to-all dispatcher then all-gathers tokens of unequal counts
+    # over the expert-TP group, which NCCL takes and gloo refuses.
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each layout's model directory and what its Megatron run left (metrics, pushed weights)."""
+    root = tmp_path_factory.mktemp("megatron_training")
+    jobs, dirs = [], {}
+    for name, (sizes, micro_batch_size, model) in LAYOUTS.items():
+        dirs[name] = root / name
+        save_tiny_model(dirs[name] / "model", *model)
+        jobs.append((dirs[name] / "model", dirs[name] / "megatron.pt", sizes, micro_batch_size))
+    run_ranks(megatron_ranks, 2, jobs, init_process_group=False, timeout=480)
+    return dirs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_megatron_training_calls_equal_single_process_rlpolicymodule(runs, layout):
+    sizes = LAYOUTS[layout][0]
+    model_dir = runs[layout] / "model"
+    got = torch.load(runs[layout] / "megatron.pt", weights_only=True)
     want_metrics, want_weights = reference_run(model_dir)
 
     assert len(got["metrics"]) == 2
     # With DP=2 rank 0 trained one of the two groups: its own metrics are of its share (the callback
     # reduces them over the ranks); the gradient norm is the whole call's.
-    data_parallel = not sizes or "expert_model_parallel_size" in sizes  # EP=2 spans the two DP ranks
+    data_parallel = not sizes or "expert" in str(sizes)  # EP = 2 spans the two DP ranks
     compared = ("train/grad_norm",) if data_parallel else COMPARED
     for call, (g, w) in enumerate(zip(got["metrics"], want_metrics)):
         for key in compared:

@@ -258,9 +258,11 @@ class MegatronPolicyModule(RLPolicyModule):
             # initialises them, and its gradient norm and clipping skip unmarked duplicates.
             perform_initialization=True,
         )
-        if moe and strategy.sizes.expert_model_parallel_size > 1:
-            # Each data-parallel rank's share of a call has its own length: the all-to-all
-            # dispatcher exchanges token counts, the default all-gather one needs equal shapes.
+        sizes = strategy.sizes
+        if moe and sizes.expert_model_parallel_size * (sizes.expert_tensor_parallel_size or 1) > 1:
+            # The experts' group spans data-parallel ranks, whose shares of a call differ in length:
+            # the all-to-all dispatcher exchanges token counts, the default all-gather one needs
+            # equal shapes.
             overrides["moe_token_dispatcher_type"] = "alltoall"
         if self.hparams.activation_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
