@@ -16,7 +16,8 @@ Face config with the converted HF weights (``lightning_fasync.megatron``; TP = P
    for ``--steps`` rollout steps of the ``qwen3-0.6b-shape`` preset against the embedded engine
    (which ``fit`` starts on the CPU cores), weights over the ``tensor`` path: finite losses and a
    weight push every step. On CPU (``--device cpu``) this stage is skipped: tests/test_megatron_fit.py
-   runs it under the test shim.
+   runs it under the test shim. Then 2 colocated steps with ``colocate_offload``: the trainer's
+   megatron-core buffers and optimizer state leave the GPU between them and come back.
 
 megatron-core must be importable, or a wheel of it lie in ``--wheels`` (the GPU machine has no
 package index): ``pip download --no-deps "megatron-core>=0.16.1,<0.17" --only-binary=:all:
@@ -254,6 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     record(f"train step, HF + torch AdamW ({batch} x {seq} tokens)", hf_train)
     if cuda:
         record("RL steps via MegatronStrategy + embedded engine (tensor sync)", lambda: rl_fit(args, log))
+        record("colocated RL steps, trainer offloaded between them", lambda: rl_fit(args, log, colocate=True))
     else:
         rows.append(("RL steps via MegatronStrategy + embedded engine (tensor sync)", "skipped on CPU",
                      "tests/test_megatron_fit.py runs it on CPU ranks under the test shim"))
@@ -269,21 +271,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 1 if bad else 0
 
 
-def rl_fit(args, log) -> tuple[str, str]:
+def rl_fit(args, log, colocate: bool = False) -> tuple[str, str]:
     """``lightning-fasync fit`` with MegatronStrategy on this GPU (TP = PP = 1, bf16) for ``--steps``
     rollout steps of the Qwen3-0.6B-shaped preset against the embedded engine (on the CPU cores, as
-    ``fit`` starts it), weights over the ``tensor`` path: finite losses, weights pushed every step."""
+    ``fit`` starts it), weights over the ``tensor`` path: finite losses, weights pushed every step.
+    ``colocate``: 2 colocated steps instead, the trainer's buffers and optimizer state offloaded to
+    the host between them (``MegatronPolicyModule.offload_train``) and back."""
     from lightning_fasync.plots import read_scalars
 
-    root = os.path.join(args.out, "fit")
+    steps = 2 if colocate else args.steps
+    root = os.path.join(args.out, "fit-colocate" if colocate else "fit")
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"),
            "--model.model=qwen3-0.6b-shape", "--model.mixed_precision=bf16", "--model.micro_batch_size=4",
            "--model.lr_schedule=constant", "--model.grad_clip=1.0", "--trainer.gradient_clip_val=null",
            "--trainer.strategy=MegatronStrategy", "--trainer.accelerator=gpu", "--trainer.devices=1",
-           f"--trainer.rollout_steps={args.steps}", f"--trainer.default_root_dir={root}", "--trainer.save_freq=0",
+           f"--trainer.rollout_steps={steps}", f"--trainer.default_root_dir={root}", "--trainer.save_freq=0",
            "--trainer.enable_progress_bar=false", "--rollout.weight_sync=tensor", "--rollout.max_response_length=32",
            "--data_source.num_prompts_per_step=4", "--data_source.num_trajectories_per_prompt=4",
            "--trainer.mini_batch_size=8", "--algorithm.entropy_coef=0.001"]
+    if colocate:
+        cmd += ["--colocate=true", "--fully_async.enable=false", "--colocate_offload=true"]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     log.write(f"== fit\n{' '.join(cmd)}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}\n")
@@ -294,7 +301,13 @@ def rl_fit(args, log) -> tuple[str, str]:
     losses = [v for _, v in tb.get("train/loss", [])]
     train = sorted(v for _, v in tb.get("timing/train", []))
     sync = sorted(v for _, v in tb.get("timing/update_weights", []))
-    ok = len(losses) == args.steps and all(math.isfinite(v) for v in losses) and len(sync) >= args.steps - 1
+    ok = len(losses) == steps and all(math.isfinite(v) for v in losses) and len(sync) >= steps - 1
+    if colocate:
+        moved = [v for _, v in tb.get("timing/offload_train", [])] + [v for _, v in tb.get("timing/onload_train", [])]
+        ok = ok and len(moved) >= 2
+        return ("ok" if ok else "INCOMPLETE"), (
+            f"{len(losses)} steps, losses {', '.join(f'{v:.3g}' for v in losses)}; offload/onload "
+            f"{', '.join(f'{v:.2f}' for v in moved)} s")
     return ("ok" if ok else "INCOMPLETE"), (
         f"{len(losses)} steps, losses {', '.join(f'{v:.3g}' for v in losses)}; median timing/train "
         f"{train[len(train) // 2] if train else float('nan'):.2f} s, update_weights "

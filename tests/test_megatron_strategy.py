@@ -162,3 +162,18 @@ def test_the_cli_asks_for_megatrons_clipping_instead_of_lightnings(capsys):
                  "--trainer.accelerator=cpu"]) == 2
     err = capsys.readouterr().err
     assert "`trainer.gradient_clip_val` is 1.0 under MegatronStrategy" in err and "`model.grad_clip: 1.0`" in err
+
+
+def test_colocate_offload_uses_megatrons_own_offload_and_leaves_cpu_alone():
+    from lightning_fasync.megatron.module import MegatronOptimizer, _optimizer_parts
+
+    class Part:
+        param_groups = [{"params": [], "lr": 1.0}]
+
+    chained = type("Chained", (), {"param_groups": Part.param_groups, "chained_optimizers": [Part(), Part()]})()
+    single = Part()
+    assert _optimizer_parts([MegatronOptimizer(chained)]) == chained.chained_optimizers
+    assert _optimizer_parts([MegatronOptimizer(single), torch.optim.SGD([torch.zeros(1, requires_grad=True)])]) == [single]
+    module = MegatronPolicyModule("tiny")
+    module.offload_train([])  # on CPU nothing moves (and no chunk is touched)
+    module.onload_train([])

@@ -316,6 +316,34 @@ class MegatronPolicyModule(RLPolicyModule):
         pass  # the shards were loaded, names and shapes checked, by MegatronStrategy.load_checkpoint
 
     @override
+    def offload_train(self, optimizers: Any) -> None:
+        """Colocate with ``colocate_offload``: megatron-core's own offload for RL, not the default's
+        (which would move parameters out of megatron-core's buffers): each chunk's parameter and
+        gradient buffers go to CPU memory (their storage freed on the device, every view kept), and
+        the optimizer's main weights and state too. On CPU nothing moves."""
+        if self.device.type != "cuda":
+            return
+        torch.cuda.synchronize(self.device)
+        for chunk in self.policy:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                buffer.offload_to_cpu(move_params=True, move_grads=True)
+        for part in _optimizer_parts(optimizers):
+            part.offload_to_cpu()
+        torch.cuda.empty_cache()
+
+    @override
+    def onload_train(self, optimizers: Any) -> None:
+        """Undo :meth:`offload_train` (gradients come back zeroed, as each call starts)."""
+        if self.device.type != "cuda":
+            return
+        for chunk in self.policy:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                buffer.reload_from_cpu(move_params=True, move_grads=True)
+        for part in _optimizer_parts(optimizers):
+            part.restore_from_cpu()
+        torch.cuda.synchronize(self.device)
+
+    @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         pass  # megatron-core's step measures the norm (MegatronOptimizer.last_grad_norm)
 
@@ -441,6 +469,16 @@ class MegatronPolicyModule(RLPolicyModule):
         metrics["train/lr"] = opt.param_groups[0]["lr"]
         metrics.update(memory_metrics(self.device))
         self._metrics = metrics
+
+
+def _optimizer_parts(optimizers: Any) -> list[Any]:
+    """megatron-core's optimizers behind Lightning's (a chained one's parts)."""
+    parts = []
+    for opt in optimizers:
+        opt = getattr(opt, "optimizer", opt)  # LightningOptimizer
+        if isinstance(opt, MegatronOptimizer):
+            parts.extend(getattr(opt.megatron, "chained_optimizers", [opt.megatron]))
+    return parts
 
 
 def _from_last_stage(metrics: Optional[dict[str, float]]) -> dict[str, float]:

@@ -246,10 +246,9 @@ def hf_weight_stream(chunks: Sequence[torch.nn.Module], cfg: Any, layout: str = 
     _check_layout(layout)
     _, full, _ = _megatron_plan(cfg, layout)
     shards = _local_shards(chunks, full)
-    dtypes = {s.param.dtype for group in shards.values() for s in group}
-    if len(dtypes) != 1:
-        raise RuntimeError(f"The model chunks mix parameter dtypes {sorted(map(str, dtypes))}; export needs one.")
-    dtype = dtypes.pop()
+    # Under bf16 the local spec's norms stay float32 (torch's RMSNorm is not cast): the engines get
+    # the model's dtype for every tensor, as a checkpoint holds them.
+    dtype = _unwrap(chunks[0]).config.params_dtype
     device = next(s.param.device for group in shards.values() for s in group)
 
     # Who sends each Megatron tensor: the exporting replica's TP rank 0 that holds it.
@@ -283,7 +282,7 @@ def _stream(cfg: Any, layout: str, dst: int, full: dict[str, Tensor], exporters:
         shape, tensor = full[name].shape, None
         s = exporters.get(name)
         if s is not None and s.replica0:
-            data = s.param.detach()
+            data = s.param.detach().to(dtype)
             if s.dim is None:
                 tensor = data if s.rank == 0 else None
             else:
