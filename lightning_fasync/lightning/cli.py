@@ -132,7 +132,7 @@ def _strategy_named(args: Sequence[str]) -> Optional[str]:
                 named = value
             elif arg.startswith(key + "="):
                 named = arg.split("=", 1)[1]
-        if arg == "--config" and value is not None:
+        if arg in ("--config", "-c") and value is not None:
             configs.append(value)
         elif arg.startswith("--config="):
             configs.append(arg.split("=", 1)[1])

@@ -103,6 +103,8 @@ class MegatronOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         ok, grad_norm, _ = self.megatron.step()
+        if ok and grad_norm is None:  # a single optimizer measures the norm only to clip
+            grad_norm = self.megatron.get_grad_norm()
         self.last_update_ok = bool(ok)
         self.last_grad_norm = float(grad_norm) if grad_norm is not None else None
         return loss

@@ -132,10 +132,6 @@ class MegatronStrategy(DDPStrategy):
     Engine), the layout :mod:`~lightning_fasync.megatron.shards` loads and exports."""
 
     @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // self.sizes.model_size
-
-    @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data-parallel rank and size (megatron-core's; TP/PP/CP peers share a data-parallel rank)."""
         if not self._megatron_initialized:
