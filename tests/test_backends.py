@@ -538,3 +538,16 @@ def test_the_qwen3_30b_config_uses_the_sglang_backend_and_validates(fully_async)
     text = open(path).read()
     for marker in ("model.model", "data_source.path", "trainer.default_root_dir", "GPU topology"):
         assert marker in text.split("seed_everything")[0], marker  # each REPLACE explained in the header
+
+
+def test_free_port_is_below_the_ephemeral_range_and_free():
+    # The system hands ephemeral ports to every outgoing connection and bind(0) (a gloo group opens
+    # dozens); a port chosen there could be taken before the server binds it.
+    from lightning_fasync.rollout.launch import _ephemeral_low
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = free_port()
+        assert 10000 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -8,6 +8,7 @@ deadline; a child that dies or never answers raises ``ServerStartError`` with it
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,8 +27,35 @@ class ServerStartError(RuntimeError):
     """A child server exited or did not become healthy in time."""
 
 
+def _ephemeral_low() -> int:
+    """The first port of the system's ephemeral range (Linux's default when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
+    """A TCP port that is free right now on ``host``, below the system's ephemeral range.
+
+    Between this answer and the server's own bind the port is free for anyone to take. The system
+    hands out ephemeral ports all the time (every outgoing connection, every ``bind(0)``: a gloo
+    process group opens dozens), so a port from that range can be gone by then; one below it is
+    only ever taken by a process that names it, such as another caller of this function (1 in
+    ~20,000 per pair of callers).
+    """
+    low = _ephemeral_low()
+    if low > 11024:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(10000, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
