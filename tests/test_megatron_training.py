@@ -18,7 +18,7 @@ import math
 
 import pytest
 import torch
-from megatron_cpu import require_megatron, run_ranks, tiny_hf_model
+from megatron_cpu import require_megatron, run_ranks
 
 require_megatron()
 

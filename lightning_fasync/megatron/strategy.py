@@ -190,7 +190,7 @@ class MegatronStrategy(DDPStrategy):
             expert_tensor_parallel_size=s.expert_tensor_parallel_size,
         )
         self._megatron_initialized = True
-        torch.manual_seed(self.seed)
+        # The global RNG stays `seed_everything`'s; megatron-core's tracker gets its own streams.
         if self.root_device.type == "cuda":
             # Per-rank streams for dropout and initialisation inside TP regions (and the same
             # stream across TP peers where weights must agree).
