@@ -184,7 +184,7 @@ def make_config(rollout_steps: int = 20) -> FasyncConfig:
             },
             "agentflow": {"flow": "custom_rollout:OneShotFlow", "flow_args": {"rid_prefix": "countdown-"}},
             "trainer": {"mini_batch_size": 16, "rollout_steps": rollout_steps},
-            # With a datasource of your own, say what ends a response (else the task's stop ids).
+            # What ends a response (else the policy's EOS: the tiny preset's is this one too).
             "rollout": {"partial": True, "max_response_length": 16, "stop_token_ids": [char_ids()["eos"]]},
         }
     )
@@ -199,7 +199,6 @@ def main(rollout_steps: int = 20, root: str = "runs/custom_rollout") -> pl.Train
         max_steps=cfg.trainer.rollout_steps * calls_per_step,  # Lightning counts training calls
         callbacks=[FullyAsyncCallback(cfg)],
         default_root_dir=root,
-        enable_checkpointing=False,
         gradient_clip_val=1.0,
         log_every_n_steps=calls_per_step,
     )

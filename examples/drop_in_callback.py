@@ -30,6 +30,7 @@ class ReinforcePolicy(FullyAsyncHooks, pl.LightningModule):
     def __init__(self, lr: float = 1e-3) -> None:
         super().__init__()
         self.lr = lr
+        self._metrics: dict[str, float] = {}
         self.policy, self.tokenizer = build_policy("tiny")
         self.policy.train()
 
@@ -46,8 +47,14 @@ class ReinforcePolicy(FullyAsyncHooks, pl.LightningModule):
                 p, n = len(t.prompt_ids), len(t.response_ids)
                 losses.append(-advantage[i] * logp[i, p - 1 : p - 1 + n].sum() / max(n, 1))
             rewards.append(r.mean())
-        self.log("reward", torch.stack(rewards).mean(), prog_bar=True)
-        return torch.stack(losses).mean()
+        loss = torch.stack(losses).mean()
+        # One value per rollout step: rollout_metrics() hands the call's metrics to the callback,
+        # which averages them over the step's training calls and logs them at the rollout step.
+        self._metrics = {"train/loss": loss.item(), "train/reward": torch.stack(rewards).mean().item()}
+        return loss
+
+    def rollout_metrics(self):
+        return self._metrics
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.policy.parameters(), lr=self.lr)
@@ -68,7 +75,6 @@ def main(rollout_steps: int = 60, root: str = "runs/drop_in") -> pl.Trainer:
         max_steps=rollout_steps * calls_per_step,
         callbacks=[FullyAsyncCallback(CONFIG)],
         default_root_dir=root,
-        enable_checkpointing=False,
         gradient_clip_val=1.0,
         log_every_n_steps=calls_per_step,
     )

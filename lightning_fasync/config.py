@@ -215,7 +215,9 @@ class RolloutConfig:
     top_k: int = -1
     """Top-k sampling; -1 disables it."""
     stop_token_ids: Optional[list[int]] = None
-    """Token ids that end a response; None: the task's."""
+    """Token ids that end a response; None: the task's EOS when ``data_source.task`` makes the
+    prompts, else the policy's own (its tokenizer's EOS and end-of-turn token, its
+    ``generation_config.json``'s ``eos_token_id``)."""
     filter: Optional[str] = None
     """``module:function`` called on each complete group by the collector; False drops it."""
     max_consecutive_failed_groups: int = 16

@@ -16,3 +16,8 @@ def hang_or_raise(sample, trajectory):
     if index == 1 and trajectory.sample_index == 0:
         raise RuntimeError("the verifier crashed")
     return math_reward(sample, trajectory)
+
+
+def needs_an_answer(sample, trajectory):
+    """Reads an answer the prompt may not have (a KeyError without one)."""
+    return float(sample.metadata["answer"] == trajectory.metadata.get("response_text"))

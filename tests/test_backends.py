@@ -425,7 +425,7 @@ def test_fit_with_the_sglang_backend_end_to_end_on_cpu(tiny_dir, tmp_path):
         "fully_async": {"enable": True, "sliding_window": "windowed-fifo"},
         "data_source": {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2, "task": "repeat", "num_prompts": 64},
         "trainer": {"mini_batch_size": 8, "rollout_steps": 2, "num_gpus_per_node": 1, "default_root_dir": str(tmp_path),
-                    "enable_checkpointing": False, "enable_progress_bar": False},
+                    "enable_progress_bar": False},
         "rollout": {"backend": "sglang", "num_gpus_per_node": 2, "partial": True, "max_response_length": 12,
                     "sglang_replicas": {"regular": {"num_nodes": 1, "num_gpus_per_replica": 1}},
                     "sglang_args": {"max_running_requests": 8, "mem_fraction_static": 0.6, "weight_version": "0",

@@ -149,7 +149,7 @@ def test_a_killed_single_replica_comes_back_with_the_trainers_weights_or_is_not_
         kept = pool.weights
     assert kept.buckets is None, "the kept weights outlived the pool"
     assert len(fatal) == 1 and isinstance(fatal[0], EngineLostError)
-    assert "`rollout.engine_restart" in str(fatal[0]) and "--ckpt_path last" in str(fatal[0])
+    assert "`rollout.engine_restart" in str(fatal[0]) and "resume it from its last checkpoint" in str(fatal[0])
 
 
 @pytest.mark.slow

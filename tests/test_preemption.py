@@ -36,7 +36,7 @@ def test_the_handler_records_the_signal_and_the_grace_period_ends_the_step(capsy
         with pytest.raises(Preempted) as info:
             p.check(lambda: "/ckpt/step-000002.ckpt")
         assert info.value.code == 143
-        assert "abandoned; a resume starts from /ckpt/step-000002.ckpt" in capsys.readouterr().err
+        assert "abandoned; a resume with `--ckpt_path last` starts from /ckpt/step-000002.ckpt" in capsys.readouterr().err
         assert p.stop("/ckpt/step-000003.ckpt").code == 143
         assert "saved the checkpoint /ckpt/step-000003.ckpt" in capsys.readouterr().err
     finally:

@@ -16,6 +16,11 @@ Hooks, in the order Lightning calls them:
   would break exactly-once accounting (:mod:`~lightning_fasync.lightning.checkpoints`).
 - ``on_exception`` / ``teardown``: stop threads and engines, idempotently.
 
+The callback is the run's checkpoint callback: a ``ModelCheckpoint`` (so the Trainer adds no
+default one of its own) whose checkpoints follow ``trainer.save_freq``, and through which
+``trainer.fit(..., ckpt_path="last")`` resumes from the newest ``checkpoints/last.ckpt`` under the
+Trainer's root directory.
+
 SIGTERM or SIGINT during ``fit`` finishes the step, saves a checkpoint and exits with status
 128 + signal (:mod:`~lightning_fasync.lightning.preemption`).
 
@@ -25,15 +30,16 @@ The module must implement :class:`~lightning_fasync.lightning.hooks.FullyAsyncHo
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Mapping, Optional, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 from lightning_fasync.config import ConfigError, FasyncConfig, colocate_offload_enabled, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
-from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_hparams, check_resume, run_identity, save_hf
+from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_hparams, check_resume, find_last, run_identity, save_hf
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
 from lightning_fasync.lightning.preemption import Preemption
 from lightning_fasync.lightning.ranks import check_minibatch_share, data_parallel, dp_share, reduce_metrics
@@ -45,6 +51,9 @@ from lightning_fasync.pipeline.engine_client import EngineClient
 from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
 from lightning_fasync.pipeline.state import PipelineError
 from lightning_fasync.rollout.tensor_stream import TensorStream
+
+#: How a run of a plain ``Trainer.fit`` resumes (the CLI and the Fabric loop say it their way).
+TRAINER_RESUME = '`trainer.fit(..., ckpt_path="last")`'
 
 PROGRESS_KEYS = {
     "rollout/reward_mean": "reward",
@@ -67,9 +76,46 @@ def _refuse_sharded(strategy: Any) -> None:
         )
 
 
-class FullyAsyncCallback(Callback):
+def _check_fit_arguments(trainer: Any, pl_module: Any, calls_per_step: int) -> None:
+    """Refuse, before anything starts, a ``max_steps`` that ends inside a rollout step and a fit
+    without the rollout dataloader."""
+    max_steps = getattr(trainer, "max_steps", -1)
+    if isinstance(max_steps, int) and max_steps > 0 and max_steps % calls_per_step:
+        whole = -(-max_steps // calls_per_step) * calls_per_step
+        raise ConfigError(
+            f"`max_steps` is {max_steps}, which ends inside a rollout step: each rollout step is (B × N) // M = "
+            f"{calls_per_step} training calls, so give a multiple of {calls_per_step} (e.g. {whole} for "
+            f"{whole // calls_per_step} rollout steps)."
+        )
+    source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
+    if source is not None and callable(getattr(source, "is_defined", None)) and not source.is_defined():
+        raise TypeError(
+            f"FullyAsyncCallback: {type(pl_module).__name__} has no train_dataloader() and fit() got no "
+            "train_dataloaders; return lightning_fasync.lightning.rollout_dataloader() from train_dataloader(), or "
+            "call trainer.fit(module, train_dataloaders=rollout_dataloader())."
+        )
+
+
+def _module_logged(trainer: Any) -> bool:
+    """Whether this call's ``self.log`` results hold something for the loggers (besides ``step``)."""
+    results = getattr(trainer, "_results", None)
+    if results is None:
+        return False
+    return any(getattr(m, "meta", None) is not None and m.meta.logger and m.meta.name != "step"
+               for m in results.values())
+
+
+class FullyAsyncCallback(ModelCheckpoint):
     """Fully-async rollout for any LightningModule that implements ``FullyAsyncHooks`` and trains
     on :class:`RolloutBatch` tickets.
+
+    It writes the run's checkpoints (every ``trainer.save_freq`` rollout steps, and on SIGTERM), so
+    it is the Trainer's checkpoint callback: drop ``enable_checkpointing=False`` (Lightning refuses
+    it beside a ``ModelCheckpoint``), and resume with ``trainer.fit(..., ckpt_path="last")``.
+
+    ``self.log`` in ``training_step`` lands at the rollout step on the loggers, as the plugin's own
+    metrics do (the callback logs Lightning's ``step`` key beside it); for one value per rollout
+    step, return it from ``rollout_metrics()``, which the driver aggregates over the step's calls.
 
     With ``fully_async.enable: false`` and ``colocate: true`` the same callback runs the spec's
     colocate baseline: each step rolls out the whole batch, then trains on the same cores.
@@ -100,6 +146,7 @@ class FullyAsyncCallback(Callback):
         flow: Optional[AgentFlow] = None,
         client: Optional[EngineClient] = None,
     ) -> None:
+        super().__init__(save_top_k=0, save_last=False, save_on_train_epoch_end=False)
         self.cfg = config if isinstance(config, FasyncConfig) else load_config(dict(config or {}))
         validate(self.cfg)  # refuse a bad config at construction, before any process exists
         self.engine_model = engine_model
@@ -117,9 +164,24 @@ class FullyAsyncCallback(Callback):
         self._trainer: Optional[pl.Trainer] = None
         self._hooks: Optional[FullyAsyncHooks] = None
         self._files: Optional[CheckpointFiles] = None
-        self.preemption = Preemption(self.cfg.trainer.preempt_grace_s)
+        self.preemption = Preemption(self.cfg.trainer.preempt_grace_s, resume_hint=lambda path: self.resume_hint)
         self._offload = False  # colocate_offload, resolved for the trainer's device in setup
         self._closed = False
+        self.resume_hint = TRAINER_RESUME
+        """How the run's resume is spelled in its messages (the CLI sets ``--ckpt_path last``)."""
+
+    @property
+    def state_key(self) -> str:
+        return Callback.state_key.fget(self)  # type: ignore[attr-defined] - not ModelCheckpoint's, keyed by its arguments
+
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """For ``trainer.fit(ckpt_path="last")`` (Lightning asks its ModelCheckpoints before ``setup``):
+        the newest ``checkpoints/last.ckpt`` under ``log_dir``, else under the loggers' and the
+        Trainer's root directories (each run of a default logger writes a new ``version_N``)."""
+        roots = [self.log_dir] if self.log_dir else [
+            *(lg.save_dir for lg in trainer.loggers[:1] if getattr(lg, "save_dir", None)), trainer.default_root_dir]
+        found = [p for p in (find_last(str(r)) for r in roots) if p]
+        return {max(found, key=os.path.getmtime)} if found else set()
 
     # ------------------------------------------------------------------ set-up
 
@@ -131,6 +193,7 @@ class FullyAsyncCallback(Callback):
         _refuse_sharded(trainer.strategy)
         hooks = require_hooks(pl_module, "FullyAsyncCallback")
         hooks.check_fasync_config(cfg)
+        _check_fit_arguments(trainer, pl_module, cfg.minibatches_per_step)
         self._trainer, self._hooks = trainer, hooks
         # Colocate time-shares every core between the phases; fully-async splits them.
         colocate = not cfg.fully_async.enable
@@ -168,8 +231,10 @@ class FullyAsyncCallback(Callback):
             colocate_offload=self._offload,
             **self._rollout_side,
         )
+        self.runtime.resume_hint = lambda path: self.resume_hint
         self.controller = self.runtime.controller
         self.schedule = self.controller.schedule
+        print(self.runtime.describe(plan), file=sys.stderr, flush=True)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -251,6 +316,10 @@ class FullyAsyncCallback(Callback):
         ctl = self.controller
         if ctl is not None:
             ctl.end_train()
+        if _module_logged(trainer):
+            # Lightning takes a logged `step` as the x-axis of what it flushes after this hook: what
+            # the module logged with self.log lands at the rollout step, as the plugin's metrics do.
+            pl_module.log("step", float(self._step), logger=True, on_step=True, on_epoch=False)
         metrics = dict(self._require_hooks().rollout_metrics())
         if self._world > 1:
             metrics = reduce_metrics(metrics, self._dp_size, self._dp_group, trainer.strategy.root_device)
@@ -268,9 +337,9 @@ class FullyAsyncCallback(Callback):
             step, step_metrics = ctl.step_boundary(self)
             for logger in trainer.loggers:
                 logger.log_metrics(step_metrics, step=step)
-            shown = {"step": step}
-            shown.update({short: step_metrics[key] for key, short in PROGRESS_KEYS.items() if key in step_metrics})
-            pl_module.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            shown = {short: step_metrics[key] for key, short in PROGRESS_KEYS.items() if key in step_metrics}
+            if shown:
+                pl_module.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False)
         else:
             if self.schedule.save_due(self._step):
                 # The other ranks take part in the checkpoint's collectives in rank 0's order.
@@ -295,7 +364,8 @@ class FullyAsyncCallback(Callback):
         assert trainer is not None and files is not None
         # Every rank calls save_checkpoint (collectives); global rank 0 writes, renames and links
         # (a distributed checkpoint: every rank writes its part of the directory).
-        files.save(step, lambda path: trainer.save_checkpoint(path, weights_only=False), trainer.is_global_zero)
+        self.last_model_path = files.save(step, lambda path: trainer.save_checkpoint(path, weights_only=False),
+                                          trainer.is_global_zero)
         if self.cfg.trainer.save_hf:
             save_hf(self._require_hooks().engine_state_dict(), self.engine_model or self._require_hooks().engine_model,
                     files.hf_path(step), trainer.is_global_zero)
@@ -356,6 +426,21 @@ class FullyAsyncCallback(Callback):
             # (With several ranks the others wait in a collective; the last periodic checkpoint stands.)
             runtime.save_after_fault(self, self._files.last, self._files.path)
         self._shutdown(raise_errors=False)
+
+    # ModelCheckpoint's own saving (epoch ends, validation ends, the end of training) does not apply:
+    # this callback saves at rollout-step boundaries.
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

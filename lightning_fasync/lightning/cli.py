@@ -60,6 +60,12 @@ class FasyncCLI(LightningCLI):
             trainer_ns["max_steps"] = calls
         if ns.get("ckpt_path") == "last":
             ns["ckpt_path"] = find_last_checkpoint(trainer_ns.get("default_root_dir") or ".")
+        if trainer_ns.get("enable_checkpointing") is False:
+            raise ConfigError(
+                "`trainer.enable_checkpointing` is false, but FullyAsyncCallback is the run's checkpoint callback (a "
+                "ModelCheckpoint, which Lightning refuses beside it): drop the key; `trainer.save_freq` sets how often "
+                "checkpoints are written (0: only on SIGTERM and lost engines)."
+            )
         for key in RL_TRAINER_KEYS:
             del trainer_ns[key]
         if self.model_class.__name__ == "MegatronPolicyModule" and trainer_ns.get("gradient_clip_val") is not None:
@@ -77,6 +83,9 @@ class FasyncCLI(LightningCLI):
         callbacks += list(kwargs.pop("callbacks", None) or [])
         if not any(isinstance(c, FullyAsyncCallback) for c in callbacks):
             callbacks.append(FullyAsyncCallback(self.fasync_config))
+        for callback in callbacks:
+            if isinstance(callback, FullyAsyncCallback):
+                callback.resume_hint = "`--ckpt_path last`"
         bar = kwargs.get("enable_progress_bar", init["trainer"].get("enable_progress_bar"))
         if bar is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             callbacks.append(RolloutProgressBar(self.fasync_config.minibatches_per_step))

@@ -49,12 +49,13 @@ group's timeout above those.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 
-from lightning_fasync.config import FasyncConfig, colocate_offload_enabled, load_config, validate
+from lightning_fasync.config import ConfigError, FasyncConfig, colocate_offload_enabled, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
 from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_resume, run_identity, save_hf
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
@@ -68,6 +69,23 @@ from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
 from lightning_fasync.pipeline.state import PipelineError
 from lightning_fasync.rollout.tensor_stream import TensorStream
 from lightning_fasync.types import TrajectoryGroup
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss a training step returned: a scalar tensor, or a mapping's ``"loss"``."""
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if isinstance(out, Mapping) and "loss" not in out:
+        got = f"a {type(out).__name__} without a 'loss' entry (keys: {', '.join(map(str, out))})"
+    elif not isinstance(loss, torch.Tensor):
+        got = f"a {type(loss).__name__}"
+    elif loss.numel() != 1:
+        got = f"a tensor of shape {tuple(loss.shape)}"
+    else:
+        return loss
+    raise TypeError(
+        f"FullyAsyncFabricLoop: training_step returned {got}; it must return the loss to minimise, a scalar tensor "
+        "(or a dict with a 'loss' entry), which the loop backpropagates with fabric.backward."
+    )
 
 
 class FullyAsyncFabricLoop:
@@ -117,6 +135,8 @@ class FullyAsyncFabricLoop:
         self._listening = True
         self._offload = False  # colocate_offload on this device
         self._onloaded = False  # a rank > 0 holds its training state on the device (colocate_offload)
+        self._clip: Optional[float] = None  # fit's gradient_clip_val
+        self._scheduler: Any = None  # fit's lr_scheduler
 
     @property
     def controller(self):
@@ -127,9 +147,11 @@ class FullyAsyncFabricLoop:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         rollout_steps: int,
-        training_step: Optional[Callable[[RolloutBatch], torch.Tensor]] = None,
+        training_step: Optional[Callable[[RolloutBatch], Any]] = None,
         engine_model: Optional[str] = None,
         state: Optional[Mapping[str, Any]] = None,
+        gradient_clip_val: Optional[float] = None,
+        lr_scheduler: Optional[Any] = None,
     ) -> None:
         """Run ``rollout_steps`` outer steps. Every rank calls it with the same arguments (several
         processes: see the module docstring).
@@ -139,9 +161,11 @@ class FullyAsyncFabricLoop:
                 ``setup_optimizers``); the module implements ``FullyAsyncHooks``.
             rollout_steps: outer steps to run.
             training_step: ``batch -> loss`` for one training call on this rank's share (default:
-                the module's ``training_step(batch, call_index)``); the loop does
-                ``fabric.backward``, ``optimizer.step`` and ``zero_grad``, and takes the call's
-                metrics from ``rollout_metrics()``.
+                the module's ``training_step(batch, call_index)``). It returns the loss to
+                minimise: a scalar tensor, or a dict with a ``"loss"`` entry (as Lightning's
+                ``training_step`` may); anything else is refused. The loop does
+                ``fabric.backward``, the clipping, ``optimizer.step``, the scheduler step and
+                ``zero_grad``, and takes the call's metrics from ``rollout_metrics()``.
             engine_model: what the engines load (default: the module's ``engine_model``).
             state: a checkpoint's ``"fasync"`` entry, to resume the pipeline (a change of the
                 config that breaks exactly-once accounting is refused; see ``check_resume``).
@@ -152,6 +176,15 @@ class FullyAsyncFabricLoop:
                     rest = fabric.load(loop.files.last(), {"model": model, "optimizer": optimizer})
                     loop.fit(model, optimizer, rollout_steps, state=rest["fasync"])
 
+                (with ``lr_scheduler``, add ``"lr_scheduler": scheduler`` to what ``fabric.load``
+                restores: the checkpoints hold it).
+            gradient_clip_val: clip the gradients' total norm to this before each optimizer step
+                (``fabric.clip_gradients``, as Lightning's Trainer does with the same argument);
+                None: no clipping.
+            lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler of ``optimizer``, stepped after
+                every optimizer step (one per training call, (B × N) // M per rollout step) and
+                saved in the checkpoints; None: no scheduler.
+
         Raises:
             ConfigError: M // N groups per training call cannot be shared evenly by the
                 data-parallel ranks, or ``state`` was saved by a run this one cannot continue.
@@ -161,6 +194,12 @@ class FullyAsyncFabricLoop:
         fabric, cfg = self.fabric, self.cfg
         hooks = require_hooks(model, "FullyAsyncFabricLoop")
         hooks.check_fasync_config(cfg)
+        if gradient_clip_val is not None and not gradient_clip_val > 0:
+            raise ConfigError(f"`gradient_clip_val` is {gradient_clip_val}; it must be > 0 (None: no clipping).")
+        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(f"`lr_scheduler` is a {type(lr_scheduler).__name__}, which has no step(); pass a "
+                            "torch.optim.lr_scheduler scheduler of the optimizer.")
+        self._clip, self._scheduler = gradient_clip_val, lr_scheduler
         self._rank, self._world = fabric.global_rank, fabric.world_size
         if self._world > 1:
             self._dp_rank, self._dp_size, self._dp_group = data_parallel(fabric.strategy)
@@ -186,7 +225,8 @@ class FullyAsyncFabricLoop:
             if ctl is not None:
                 ctl.schedule.force_save = True
 
-        self._preemption = preemption = Preemption(cfg.trainer.preempt_grace_s, on_request=on_signal)
+        self._preemption = preemption = Preemption(cfg.trainer.preempt_grace_s, on_request=on_signal,
+                                                   resume_hint=self.resume_hint)
 
         def prepare(groups: list[TrajectoryGroup]) -> RolloutBatch:
             preemption.check(self.files.last)  # before the other ranks start the call's collectives
@@ -204,6 +244,8 @@ class FullyAsyncFabricLoop:
                 engine_startup_timeout=self.engine_startup_timeout, admin_timeout=self.admin_timeout,
                 colocate_offload=self._offload, **self._rollout_side,
             )
+            self.runtime.resume_hint = self.resume_hint
+            print(self.runtime.describe(plan), file=sys.stderr, flush=True)
             ctl = self.runtime.controller
             ctl.schedule.force_save = preemption.requested  # a signal while the engines started
             ctl.state.interrupt = lambda: preemption.check(self.files.last)
@@ -244,8 +286,25 @@ class FullyAsyncFabricLoop:
                 if self.runtime is not None:
                     self.runtime.shutdown(raise_errors=ok)
             finally:
+                self._finalize_loggers("success" if ok else "failed")
                 if aborted:  # the other ranks wait for this: the engines are down, they may exit now
                     self._barrier()
+
+    def resume_hint(self, path: Optional[str]) -> str:
+        """How a Fabric script resumes from the checkpoint at ``path`` (the signal and lost-engine
+        messages say it)."""
+        extra = ', "lr_scheduler": scheduler' if getattr(self, "_scheduler", None) is not None else ""
+        return (f'`rest = fabric.load("{path}", {{"model": model, "optimizer": optimizer{extra}}})` and '
+                '`loop.fit(..., state=rest["fasync"])`')
+
+    def _finalize_loggers(self, status: str) -> None:
+        """Flush and close Fabric's loggers (rank 0 writes; a CSVLogger's metrics.csv appears only so)."""
+        for logger in getattr(self.fabric, "loggers", []):
+            try:
+                logger.finalize(status)
+            except Exception as exc:  # noqa: BLE001 - the run's own outcome stands
+                print(f"Could not finalize the logger {type(logger).__name__}: {type(exc).__name__}: {exc}",
+                      file=sys.stderr)
 
     # ------------------------------------------------------------------ one training call (every rank)
 
@@ -263,10 +322,14 @@ class FullyAsyncFabricLoop:
     def _train_call(self, batch: RolloutBatch) -> dict[str, float]:
         """Forward, backward, optimizer step; the call's metrics, reduced over the data-parallel ranks."""
         fabric, optimizer = self.fabric, self._optimizer
-        loss = self._training_step(batch)
+        loss = _loss_of(self._training_step(batch))
         fabric.backward(loss)
+        if self._clip is not None:
+            fabric.clip_gradients(self._model, optimizer, max_norm=self._clip)
         fabric.call("on_before_optimizer_step", optimizer)
         optimizer.step()
+        if self._scheduler is not None:
+            self._scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         metrics = dict(self._hooks.rollout_metrics())
         if self._world > 1:
@@ -393,6 +456,8 @@ class FullyAsyncFabricLoop:
     def _save(self, step: int, fasync: dict[str, Any]) -> None:
         # Every rank calls fabric.save (a collective); global rank 0 writes, renames and links.
         state = {"model": self._model, "optimizer": self._optimizer, "fasync": fasync}
+        if self._scheduler is not None:
+            state["lr_scheduler"] = self._scheduler
         self.files.save(step, lambda path: self.fabric.save(path, state), self.fabric.is_global_zero)
         if self.cfg.trainer.save_hf:
             save_hf(self._hooks.engine_state_dict(), self._engine_model, self.files.hf_path(step), self.fabric.is_global_zero)

@@ -31,11 +31,15 @@ class Preemption:
         grace_s: ``trainer.preempt_grace_s``.
         on_request: called (in the handler) on the first signal: the caller arranges a checkpoint
             at the coming step boundary (it should only set a flag).
+        resume_hint: the checkpoint's path -> how the driver in use resumes from it, as the
+            message's "resume with ..." says it (default: the CLI's ``--ckpt_path last``).
     """
 
-    def __init__(self, grace_s: float, on_request: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, grace_s: float, on_request: Optional[Callable[[], None]] = None,
+                 resume_hint: Callable[[str], str] = lambda path: "`--ckpt_path last`") -> None:
         self.grace_s = grace_s
         self.on_request = on_request
+        self.resume_hint = resume_hint
         self.signum: Optional[int] = None
         self.deadline = float("inf")
         self._previous: dict[int, Any] = {}
@@ -80,12 +84,13 @@ class Preemption:
         """
         name = signal.Signals(self.signum).name if self.signum is not None else "a signal"
         if saved is not None:
-            message = f"Interrupted by {name}: saved the checkpoint {saved}; resume with `--ckpt_path last`."
+            message = f"Interrupted by {name}: saved the checkpoint {saved}; resume with {self.resume_hint(saved)}."
         else:
             message = (
                 f"Interrupted by {name}: the step did not finish within `trainer.preempt_grace_s` "
                 f"({self.grace_s:g} s), so it was abandoned; "
-                + (f"a resume starts from {last}." if last else "no checkpoint exists to resume from.")
+                + (f"a resume with {self.resume_hint(last)} starts from {last}." if last
+                   else "no checkpoint exists to resume from.")
             )
         print(message, file=sys.stderr, flush=True)
         return Preempted(128 + (self.signum or signal.SIGTERM))

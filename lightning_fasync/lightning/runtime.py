@@ -103,6 +103,10 @@ class RolloutRuntime:
         self._engine_model = engine_model
         self._tokenizer: Any = None
         self._flows: list[Any] = []  # flows built here, closed at shutdown (a tool flow owns sandboxes)
+        # Whether the training prompts come from the config's task (else: files, a datasource named
+        # in the config, or one passed in), which decides whose EOS ends a response by default.
+        self._prompts_from_task = datasource is None and not (src.path or src.datasource)
+        self._reward_given = reward is not None
         gpu_plan: Any = None
         if client is None and cfg.rollout.backend == "sglang":
             from lightning_fasync.rollout.backends import check_sglang_backend
@@ -138,7 +142,8 @@ class RolloutRuntime:
         # per-call timeout; text-level rewards find the decoded response in trajectory.metadata.
         self.reward_runner = RewardRunner(
             reward, timeout_s=src.reward_timeout, processes=src.reward_processes,
-            tokenizer=self._try_tokenizer() if decode else None, name="data_source.reward",
+            tokenizer=self._try_tokenizer() if decode else None,
+            name="the reward passed to the driver" if self._reward_given else "data_source.reward",
         )
         reward = self.reward_runner
         # The eval sets (prompts read once, rewards) before the engines start: they size the context too.
@@ -169,6 +174,8 @@ class RolloutRuntime:
                 f"`{weight_sync}` needs it (an SGLangClient speaks every path itself)."
             )
         self.colocate_offload = colocate_offload
+        self.resume_hint: Callable[[str], str] = lambda path: "`--ckpt_path last`"
+        """A checkpoint's path -> how the driver in use resumes from it (the driver sets its own)."""
         missing = [m for m in ("release_memory_occupation", "resume_memory_occupation")
                    if client is not None and not callable(getattr(client, m, None))]
         if colocate_offload and missing:
@@ -210,12 +217,13 @@ class RolloutRuntime:
             if client is None:
                 client = self.pool.client(max_connections=cfg.agentflow.router.max_connections,
                                           generate_timeout_s=cfg.rollout.request_timeout)
+            self.stop_token_ids, self.stop_source = self._stop_token_ids(src, self._prompts_from_task)
             if flow is None:
                 sampling = SamplingParams(
                     temperature=cfg.rollout.temperature,
                     top_p=cfg.rollout.top_p,
                     top_k=cfg.rollout.top_k,
-                    stop_token_ids=self._stop_token_ids(src),
+                    stop_token_ids=self.stop_token_ids,
                 )
                 flow = self._build_flow(client, sampling, cfg.rollout.max_response_length, reward)
             evaluator = self._build_evaluator(client)
@@ -241,6 +249,26 @@ class RolloutRuntime:
             for eval_set in self._eval_sets:
                 eval_set.reward.close()
             raise
+
+    def describe(self, plan: ResourcePlan) -> str:
+        """One line for the run's log: the mode, the resource split, the weight-sync path and the
+        stop tokens in force (the drivers print it on global rank 0 before training starts)."""
+        cfg = self.cfg
+        fa = cfg.fully_async
+        if fa.enable:
+            mode = f"fully-async ({fa.sliding_window}, fully_async.stale_steps {fa.stale_steps:g})"
+        else:
+            mode = ("colocate, the baseline: rollout and training take turns on the same resources (for fully-async "
+                    "set colocate: false and fully_async.enable: true)")
+        mode += ", partial rollout" if cfg.rollout.partial else ""
+        if self._client_given:
+            engines = "engines of the client passed in"
+        elif cfg.rollout.backend == "embedded":
+            engines = f"{plan.num_replicas} embedded engine replica(s) on cores {plan.replica_cores}"
+        else:
+            engines = f"engines of rollout.backend `{cfg.rollout.backend}`"
+        return (f"lightning-fasync: {mode}; trainer on cores {plan.trainer_cores}, {engines}; weight sync "
+                f"`{self.weight_sync}`; responses end at token ids {self.stop_token_ids} ({self.stop_source}).")
 
     @property
     def task(self) -> Any:
@@ -320,7 +348,7 @@ class RolloutRuntime:
                     reward, timeout_s=src.reward_timeout, processes=src.reward_processes,
                     tokenizer=self._try_tokenizer() if src.reward else None, name=f"{key}.reward",
                 )
-                out.append(_EvalSet(src.name, samples, runner, self._stop_token_ids(src, task),
+                out.append(_EvalSet(src.name, samples, runner, self._stop_token_ids(src, task is not None, task, key)[0],
                                     max(len(s.input_ids) for s in samples)))
         except BaseException:
             for eval_set in out:
@@ -328,18 +356,32 @@ class RolloutRuntime:
             raise
         return out
 
-    def _stop_token_ids(self, src: DataSourceConfig, task: Any = None) -> list[int]:
-        """``rollout.stop_token_ids``, else the tokenizer's end-of-turn tokens for prompts from files
-        (or a datasource, when the policy has a tokenizer), else the task's EOS."""
+    def _stop_token_ids(self, src: DataSourceConfig, from_task: bool, task: Any = None,
+                        key: str = "data_source") -> tuple[list[int], str]:
+        """The token ids that end a response, and where they come from: ``rollout.stop_token_ids``;
+        else, when the config's task makes the prompts, the task's EOS; else the policy's own
+        (:func:`~lightning_fasync.policy.policy_stop_token_ids`: its tokenizer's EOS and
+        end-of-turn token, its generation config's ``eos_token_id``)."""
         stop = self.cfg.rollout.stop_token_ids
-        if stop is None:
-            if src.path or (src.datasource and self._try_tokenizer() is not None):
-                from lightning_fasync.data.files import stop_token_ids
+        if stop is not None:
+            return list(stop), "rollout.stop_token_ids"
+        if from_task:
+            return list((task or self.task).stop_token_ids), f"the `{src.task}` task's EOS"
+        from lightning_fasync.policy import policy_stop_token_ids
 
-                stop = stop_token_ids(self.tokenizer)
-            else:
-                stop = (task or self.task).stop_token_ids
-        return list(stop)
+        try:
+            ids, names = policy_stop_token_ids(self.tokenizer, self._engine_model)
+        except (ConfigError, ValueError, OSError) as exc:
+            raise ConfigError(
+                f"`rollout.stop_token_ids` is not set and the policy's tokenizer cannot be loaded to find its EOS "
+                f"({exc}); set rollout.stop_token_ids to the ids that end a response."
+            ) from exc
+        if not ids:
+            raise ConfigError(
+                f"`rollout.stop_token_ids` is not set and the policy's tokenizer and generation config name no EOS "
+                f"token; set rollout.stop_token_ids to the ids that end a response (prompts of `{key}`)."
+            )
+        return ids, f"the policy's EOS ({', '.join(names)})"
 
     def _build_evaluator(self, client: EngineClient) -> Optional[Evaluator]:
         """The evaluator of ``eval.*`` (None without eval sets): per set, an agent flow built like the
@@ -524,7 +566,8 @@ class RolloutRuntime:
             where = last()
             print(f"Could not save a checkpoint after the engines were lost: {type(exc).__name__}: {exc}", file=sys.stderr)
         print("The rollout engines are lost: "
-              + (f"a resume with `--ckpt_path last` starts from {where}." if where else "no checkpoint exists to resume from."),
+              + (f"a resume with {self.resume_hint(where)} starts from {where}." if where
+                 else "no checkpoint exists to resume from."),
               file=sys.stderr, flush=True)
 
     def shutdown(self, raise_errors: bool = True) -> None:

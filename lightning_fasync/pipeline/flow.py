@@ -13,7 +13,7 @@ import abc
 import asyncio
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from lightning_fasync.pipeline.engine_client import EngineClient, EngineFault, GenerateRequest, GenerateResult, SamplingParams
+from lightning_fasync.pipeline.engine_client import EngineClient, EngineError, EngineFault, GenerateRequest, GenerateResult, SamplingParams
 from lightning_fasync.types import PromptSample, Trajectory, TrajectoryStatus
 
 RewardFn = Callable[[PromptSample, Trajectory], Union[float, Awaitable[float]]]
@@ -52,6 +52,9 @@ def mark_failed(traj: Trajectory, exc: BaseException) -> None:
     failure budget."""
     traj.status = TrajectoryStatus.FAILED
     traj.error = f"{type(exc).__name__}: {exc}"
+    # The engine client's errors, and what an HTTP client raises when the server is not there.
+    engine = isinstance(exc, (EngineError, OSError, asyncio.TimeoutError))
+    traj.metadata["failed_in"] = "engine" if engine else "agent flow"
     if isinstance(exc, EngineFault):
         traj.metadata["engine_fault"] = True
 
@@ -175,4 +178,6 @@ async def score(reward_fn: RewardFn, sample: PromptSample, traj: Trajectory, vie
         traj.reward = float(reward)
     except Exception as exc:
         traj.status = TrajectoryStatus.FAILED
-        traj.error = f"reward function raised {type(exc).__name__}: {exc}"
+        traj.metadata["failed_in"] = "reward"
+        # A RewardRunner's error names the reward, the exception and the reward's own frame already.
+        traj.error = str(exc) if type(exc).__name__ == "RewardError" else f"reward function raised {type(exc).__name__}: {exc}"

@@ -135,6 +135,7 @@ class RolloutProducer:
             for traj in trajs:
                 traj.status = TrajectoryStatus.FAILED
                 traj.error = f"{type(exc).__name__}: {exc}"
+                traj.metadata["failed_in"] = "agent flow"
         if not self._stopping:
             if self.state.add_trajectories(trajs) and not self._notify_scheduled:
                 # One collector wake-up per loop iteration, however many groups completed in it.

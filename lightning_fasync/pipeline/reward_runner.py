@@ -78,6 +78,30 @@ def _describe(fn: Any) -> str:
     return f"{module}:{name}" if module else str(name)
 
 
+def _source_file(fn: Any) -> Optional[str]:
+    """The file that defines ``fn`` (a function, or a callable object's ``__call__``), if known."""
+    target = inspect.unwrap(fn) if inspect.isroutine(fn) else getattr(type(fn), "__call__", fn)
+    try:
+        return inspect.getsourcefile(target)
+    except (TypeError, OSError):
+        return None
+
+
+def where_raised(exc: BaseException, fn: Any) -> str:
+    """`` at FILE:LINE in NAME: SOURCE`` for the reward's own frame in ``exc``'s traceback (the last
+    one in the file that defines ``fn``; else the innermost frame), or ``""`` without a traceback."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    source = _source_file(fn)
+    own = [f for f in frames if source is not None and os.path.abspath(f.filename) == os.path.abspath(source)]
+    frame = (own or frames)[-1]
+    line = f": {frame.line.strip()}" if frame.line else ""
+    return f" at {frame.filename}:{frame.lineno} in {frame.name}{line}"
+
+
 def _is_async(fn: Any) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
 
@@ -238,8 +262,8 @@ def _worker_main(conn: Any, fn: Callable[[Any, Any], Any]) -> None:
         try:
             sample, trajectory = pickle.loads(payload)
             reply: tuple = ("ok", float(fn(sample, trajectory)))
-        except BaseException as exc:  # the exception itself may not pickle: send its name and text
-            reply = ("raised", type(exc).__name__, str(exc))
+        except BaseException as exc:  # the exception itself may not pickle: send its name, text and frame
+            reply = ("raised", type(exc).__name__, str(exc), where_raised(exc, fn))
         try:
             conn.send(reply)
         except (EOFError, OSError):
@@ -455,7 +479,7 @@ class RewardRunner:
         try:
             task = asyncio.ensure_future(self.fn(sample, trajectory))  # type: ignore[arg-type]
         except Exception as exc:
-            raise self._raised_error(type(exc).__name__, str(exc)) from exc
+            raise self._raised_error(type(exc).__name__, str(exc), where_raised(exc, self.fn)) from exc
         try:
             done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
         except asyncio.CancelledError:
@@ -470,7 +494,7 @@ class RewardRunner:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            raise self._raised_error(type(exc).__name__, str(exc)) from exc
+            raise self._raised_error(type(exc).__name__, str(exc), where_raised(exc, self.fn)) from exc
 
     async def _call_in_pool(self, sample: PromptSample, trajectory: Trajectory) -> float:
         assert self._pool is not None
@@ -519,12 +543,14 @@ class RewardRunner:
             try:
                 return float(value)
             except (TypeError, ValueError) as err:
-                raise self._raised_error(type(err).__name__, str(err)) from err
+                self._count(timeout=False)
+                raise RewardError(
+                    f"{self.label} returned {type(value).__name__} {repr(value)[:80]}, which is not a number") from err
         if isinstance(exc, _WorkerTimeout):
             raise self._timeout_error()
         if isinstance(exc, RewardError):  # from the worker driver: already counted
             raise exc
-        raise self._raised_error(type(exc).__name__, str(exc)) from exc
+        raise self._raised_error(type(exc).__name__, str(exc), where_raised(exc, self.fn)) from exc
 
     def _call_in_worker(self, sample: PromptSample, trajectory: Trajectory) -> float:
         """Driver-thread side of a process-mode call: borrow a worker, run, give it back.
@@ -555,7 +581,7 @@ class RewardRunner:
                     self._idle_workers.append(worker)
         if reply[0] == "ok":
             return reply[1]
-        raise self._raised_error(reply[1], reply[2])
+        raise self._raised_error(reply[1], reply[2], reply[3])
 
     def _new_worker(self) -> _Worker:  # under self._lock
         self._worker_serial += 1
@@ -579,9 +605,9 @@ class RewardRunner:
             f"the trajectory is failed."
         )
 
-    def _raised_error(self, type_name: str, message: str) -> RewardError:
+    def _raised_error(self, type_name: str, message: str, where: str = "") -> RewardError:
         self._count(timeout=False)
-        return RewardError(f"{self.label} raised {type_name}: {message}")
+        return RewardError(f"{self.label} raised {type_name}: {message}{where}")
 
     def metrics(self) -> dict[str, float]:
         """Failures since the last call, for the controller's step metrics.

@@ -380,7 +380,8 @@ class PipelineState:
                         self.ledger.record("drop", prompt=str(pid), seq=group.seq, step=self.rollout_step, reason="engine_fault", error=errors[:1])
                 else:
                     self._consecutive_failed += 1
-                    errors = [t.error for t in group.trajectories.values() if t.error]
+                    erred = [t for t in group.trajectories.values() if t.error]
+                    errors = [t.error for t in erred]
                     retries = int(group.sample.metadata.get("_failed_retries", 0))
                     if retries < 1:
                         fresh = PromptSample(
@@ -394,10 +395,14 @@ class PipelineState:
                         self._stats.failed_drop += 1
                         self.ledger.record("drop", prompt=str(pid), seq=group.seq, step=self.rollout_step, reason="failed", error=errors[:1])
                     if self._consecutive_failed >= self.max_consecutive_failed_groups:
+                        where = erred[0].metadata.get("failed_in") if erred else None
+                        cause = {"reward": "the reward failed", "engine": "the rollout engine failed",
+                                 "agent flow": "the agent flow failed"}.get(where, "last error")
                         failed_too_often = PipelineError(
                             f"{self._consecutive_failed} prompt groups in a row had a failed trajectory "
                             f"(`rollout.max_consecutive_failed_groups` is {self.max_consecutive_failed_groups}); "
-                            f"last error: {errors[0] if errors else 'unknown'}. Is the rollout engine up?"
+                            f"{cause}: {errors[0] if errors else 'unknown'}"
+                            + (". Is the rollout engine up?" if where == "engine" else "")
                         )
             self.cond.notify_all()
         if failed_too_often is not None:

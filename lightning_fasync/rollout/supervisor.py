@@ -357,7 +357,7 @@ class EngineSupervisor:
         for rec in self.replicas:
             last = rec.history[-1] if rec.history else {}
             parts.append(f"replica {rec.index} ({rec.url}): " + (json.dumps(last) if last else "serving"))
-        return "; ".join(parts) + ". The run stops; resume from the last checkpoint with `--ckpt_path last`."
+        return "; ".join(parts) + ". The run stops; resume it from its last checkpoint."
 
 
 def _healthy(url: str, api_key: Optional[str], timeout: float) -> bool:

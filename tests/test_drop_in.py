@@ -1,0 +1,250 @@
+"""Dropping the callback or the Fabric loop into one's own code: the refusals and messages a user
+meets before and after training (no engine is started here; examples/own_policy.py trains under
+both drivers in tests/test_examples.py)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_fasync.config import ConfigError, load_config, validate
+from lightning_fasync.lightning import FullyAsyncCallback, FullyAsyncFabricLoop, FullyAsyncHooks
+from lightning_fasync.lightning.checkpoints import CheckpointFiles
+from lightning_fasync.lightning.preemption import Preemption
+from lightning_fasync.pipeline.controller import FullyAsyncController
+from lightning_fasync.pipeline.datasource import ListDataSource
+from lightning_fasync.pipeline.engine_client import SamplingParams
+from lightning_fasync.pipeline.flow import SingleTurnFlow
+from lightning_fasync.pipeline.instant_engine import InstantEngine
+from lightning_fasync.pipeline.reward_runner import RewardError, RewardRunner
+from lightning_fasync.pipeline.state import PipelineError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# B=4, N=2, M=4: (B x N) // M = 2 training calls per rollout step.
+CONFIG = {"colocate": False, "fully_async": {"enable": True},
+          "data_source": {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2},
+          "trainer": {"mini_batch_size": 4}}
+
+
+class _Policy(FullyAsyncHooks, pl.LightningModule):
+    """A module with the contract but no train_dataloader()."""
+
+    engine_model = "tiny"
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(torch.ones(2)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(max_steps):
+    strategy = SimpleNamespace(root_device=torch.device("meta"))
+    return SimpleNamespace(strategy=strategy, max_steps=max_steps, global_rank=0, world_size=1, local_rank=0,
+                           log_dir=None, default_root_dir=None)
+
+
+def test_a_max_steps_that_ends_inside_a_rollout_step_is_refused():
+    cb = FullyAsyncCallback(CONFIG)
+    with pytest.raises(ConfigError, match=r"`max_steps` is 5, which ends inside a rollout step.*multiple of 2 "
+                                          r"\(e\.g\. 6 for 3 rollout steps\)"):
+        cb.setup(_trainer(5), _Policy(), "fit")
+    assert cb.runtime is None  # nothing started
+
+
+def test_fit_without_the_rollout_dataloader_says_what_to_return(tmp_path):
+    cb = FullyAsyncCallback(CONFIG)
+    trainer = pl.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path), accelerator="cpu")
+    with pytest.raises(TypeError, match=r"_Policy has no train_dataloader\(\) and fit\(\) got no train_dataloaders; "
+                                        r"return lightning_fasync\.lightning\.rollout_dataloader\(\)"):
+        trainer.fit(_Policy())
+    assert cb.runtime is None
+
+
+def test_the_callback_is_the_trainers_checkpoint_callback_and_fit_last_finds_its_checkpoint(tmp_path):
+    # A first run wrote version_0/checkpoints/step-000001.ckpt and its last.ckpt link; a second run
+    # of the same script gets a new logger version, where Lightning's own ModelCheckpoint would look.
+    old = CheckpointFiles(str(tmp_path / "lightning_logs" / "version_0" / "checkpoints"), None)
+    saved = old.save(1, lambda path: open(path, "wb").close())
+    cb = FullyAsyncCallback(CONFIG)
+    trainer = pl.Trainer(max_steps=4, callbacks=[cb], default_root_dir=str(tmp_path), accelerator="cpu",
+                         enable_progress_bar=False)
+    assert trainer.checkpoint_callbacks == [cb]  # Lightning added no default ModelCheckpoint of its own
+    assert trainer.loggers[0].version == 1
+    # Lightning's own resolution of fit(ckpt_path="last"), as Trainer.fit runs it before setup.
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    found = trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, "last", model_provided=True,
+                                                          model_connected=False)
+    assert os.path.realpath(found) == os.path.realpath(saved)
+    # Its state is still saved under the callback's own key (not ModelCheckpoint's, keyed by arguments).
+    assert cb.state_key == "FullyAsyncCallback"
+    # Without "last" nothing is resumed: a plain fit() starts fresh.
+    assert trainer._checkpoint_connector._parse_ckpt_path(TrainerFn.FITTING, None, model_provided=True,
+                                                         model_connected=False) is None
+
+
+def test_the_signal_message_says_how_the_driver_in_use_resumes(capsys):
+    saved = "/runs/x/checkpoints/step-000003.ckpt"
+
+    def message(hint):
+        preemption = Preemption(5.0, resume_hint=hint)
+        preemption.signum = signal.SIGTERM
+        assert preemption.stop(saved).code == 143
+        return capsys.readouterr().err
+
+    cb = FullyAsyncCallback(CONFIG)
+    assert 'resume with `trainer.fit(..., ckpt_path="last")`' in message(lambda path: cb.resume_hint)
+    assert "`--ckpt_path last`" not in message(lambda path: cb.resume_hint)
+    loop = FullyAsyncFabricLoop(SimpleNamespace(), CONFIG, log_dir="/runs/x")
+    fabric = message(loop.resume_hint)
+    assert f'`rest = fabric.load("{saved}", {{"model": model, "optimizer": optimizer}})`' in fabric
+    assert 'loop.fit(..., state=rest["fasync"])' in fabric
+    assert "resume with `--ckpt_path last`" in message(lambda path: "`--ckpt_path last`")  # the CLI's
+
+
+def test_the_cli_refuses_enable_checkpointing_false(capsys):
+    from lightning_fasync.lightning.cli import main
+
+    rc = main(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), "--trainer.enable_checkpointing=false"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "`trainer.enable_checkpointing` is false, but FullyAsyncCallback is the run's checkpoint callback" in err
+
+
+def bad_reward(sample, trajectory):
+    return sample.metadata["answer"]  # the prompts have no answer: KeyError
+
+
+class BadReward:
+    def __call__(self, sample, trajectory):
+        return {"answer": 1}["missing"]
+
+
+@pytest.mark.parametrize("reward", [bad_reward, BadReward()], ids=["function", "callable object"])
+def test_a_reward_that_raises_is_named_with_its_own_frame(reward):
+    import asyncio
+
+    from lightning_fasync.types import PromptId, PromptSample, Trajectory
+
+    runner = RewardRunner(reward, timeout_s=5.0, name="the reward passed to the driver")
+    sample = PromptSample(PromptId(0, 0), [1, 2])
+    try:
+        with pytest.raises(RewardError) as info:
+            asyncio.run(runner(sample, Trajectory.fresh(sample.prompt_id, 0, [1, 2], 0)))
+    finally:
+        runner.close()
+    label, frame = ("bad_reward", "bad_reward") if reward is bad_reward else ("BadReward", "__call__")
+    marker = "return sample.metadata[" if reward is bad_reward else 'return {"answer": 1}'
+    line = next(i for i, text in enumerate(open(__file__), 1) if text.strip().startswith(marker))
+    assert str(info.value).startswith(f"the reward passed to the driver (test_drop_in:{label}) raised KeyError:")
+    assert f" at {__file__}:{line} in {frame}: {marker}" in str(info.value)
+
+
+def test_a_reward_in_worker_processes_is_named_with_its_own_frame():
+    import asyncio
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    try:
+        import flaky_rewards
+    finally:
+        sys.path.pop(0)
+    from lightning_fasync.types import PromptId, PromptSample, Trajectory
+
+    runner = RewardRunner(flaky_rewards.needs_an_answer, timeout_s=60.0, processes=1, name="data_source.reward")
+    sample = PromptSample(PromptId(0, 0), [1, 2])
+    try:
+        with pytest.raises(RewardError, match=rf"raised KeyError: 'answer' at {flaky_rewards.__file__}:\d+ in "
+                                              r"needs_an_answer: return float\(sample\.metadata\[\"answer\"\]"):
+            asyncio.run(runner(sample, Trajectory.fresh(sample.prompt_id, 0, [1, 2], 0)))
+    finally:
+        runner.close()
+
+
+def test_rewards_that_keep_failing_stop_the_run_naming_the_reward_not_the_engine(tmp_path):
+    cfg = validate(load_config({**CONFIG, "rollout": {"max_response_length": 4, "max_consecutive_failed_groups": 2}}))
+    engine = InstantEngine()
+    runner = RewardRunner(bad_reward, timeout_s=5.0, name="the reward passed to the driver")
+    flow = SingleTurnFlow(engine, SamplingParams(), 4, reward_fn=runner)
+    ds = ListDataSource([([1, 2, i], {}) for i in range(64)], seed=1)
+    ctl = FullyAsyncController(cfg, ds, flow, engine, log_dir=str(tmp_path))
+    ctl.start()
+    try:
+        with pytest.raises(PipelineError) as info:
+            ctl.fetch()
+    finally:
+        ctl.shutdown(raise_errors=False)
+        runner.close()
+    text = str(info.value)
+    assert re.search(r"\d+ prompt groups in a row had a failed trajectory", text)
+    assert "; the reward failed: the reward passed to the driver (test_drop_in:bad_reward) raised KeyError" in text
+    assert f"at {__file__}:" in text and "Is the rollout engine up?" not in text
+
+
+def test_engine_failures_still_point_at_the_engine(tmp_path):
+    cfg = validate(load_config({**CONFIG, "rollout": {"max_response_length": 4, "max_consecutive_failed_groups": 2}}))
+    engine = InstantEngine(fail_fn=lambda rid: True)
+    flow = SingleTurnFlow(engine, SamplingParams(), 4, reward_fn=lambda s, t: 1.0)
+    ctl = FullyAsyncController(cfg, ListDataSource([([1, 2, i], {}) for i in range(64)], seed=1), flow, engine,
+                               log_dir=str(tmp_path))
+    ctl.start()
+    try:
+        with pytest.raises(PipelineError, match=r"the rollout engine failed: .*Is the rollout engine up\?"):
+            ctl.fetch()
+    finally:
+        ctl.shutdown(raise_errors=False)
+
+
+def test_the_fabric_loop_takes_a_loss_tensor_or_a_dict_with_loss_and_refuses_the_rest():
+    from lightning_fasync.lightning.fabric_loop import _loss_of
+
+    loss = torch.tensor(1.5)
+    assert _loss_of(loss) is loss and _loss_of({"loss": loss, "extra": 1}) is loss
+    with pytest.raises(TypeError, match=r"training_step returned a NoneType; it must return the loss to minimise"):
+        _loss_of(None)
+    with pytest.raises(TypeError, match=r"returned a dict without a 'loss' entry \(keys: reward\)"):
+        _loss_of({"reward": loss})
+    with pytest.raises(TypeError, match=r"returned a tensor of shape \(2,\)"):
+        _loss_of(torch.ones(2))
+
+
+def test_the_fabric_loop_refuses_a_bad_clip_value_or_scheduler_before_anything_starts():
+    module = _Policy()
+    loop = FullyAsyncFabricLoop(SimpleNamespace(global_rank=0, world_size=1), CONFIG, log_dir="unused")
+    optimizer = module.configure_optimizers()
+    with pytest.raises(ConfigError, match=r"`gradient_clip_val` is 0; it must be > 0"):
+        loop.fit(module, optimizer, 1, gradient_clip_val=0)
+    with pytest.raises(TypeError, match=r"`lr_scheduler` is a dict, which has no step\(\)"):
+        loop.fit(module, optimizer, 1, lr_scheduler={})
+    assert loop.runtime is None
+
+
+def test_the_policys_own_eos_ends_its_responses(tmp_path):
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import own_policy
+    finally:
+        sys.path.pop(0)
+    from lightning_fasync.policy import load_tokenizer, policy_stop_token_ids
+
+    model_dir = own_policy.save_own_model(str(tmp_path / "model"))
+    tokenizer = load_tokenizer(model_dir)
+    assert tokenizer.convert_ids_to_tokens(2) == "c"  # id 2 is an ordinary letter here
+    assert policy_stop_token_ids(tokenizer, model_dir) == ([38], ["'<eos>'"])
+    # The generation config's EOS counts too (a model may stop on several ids).
+    from transformers import GenerationConfig
+
+    GenerationConfig(eos_token_id=[38, 36]).save_pretrained(model_dir)
+    assert policy_stop_token_ids(tokenizer, model_dir)[0] == [38, 36]
