@@ -16,7 +16,7 @@ Nothing here comes from the plugin's built-in task or presets:
 - the loss is a GRPO-style policy gradient written here (group-normalised advantages, token mean).
 
 The engines stop responses on the policy's own EOS (its tokenizer and generation config say
-which), not on any built-in task's; the run's first log line says which ids are in force.
+which), not on any built-in task's; a line at start says which ids are in force.
 """
 
 from __future__ import annotations

@@ -248,3 +248,59 @@ def test_the_policys_own_eos_ends_its_responses(tmp_path):
 
     GenerationConfig(eos_token_id=[38, 36]).save_pretrained(model_dir)
     assert policy_stop_token_ids(tokenizer, model_dir)[0] == [38, 36]
+
+
+class _Engines(InstantEngine):
+    """An engine client of the caller's own, which takes the weights as a mapping."""
+
+    async def update_weights_from_tensor(self, tensors, weight_version=None):
+        self.version = weight_version
+
+
+@pytest.mark.parametrize("keys, said", [
+    ({}, "colocate, the baseline: rollout and training take turns on the same resources (for fully-async set "
+         "colocate: false and fully_async.enable: true)"),
+    ({"colocate": False, "fully_async": {"enable": True, "sliding_window": "window-gated", "stale_steps": 2}},
+     "fully-async (window-gated, fully_async.stale_steps 2)"),
+], ids=["no mode keys", "fully-async"])
+def test_the_run_says_its_mode_split_and_stop_tokens_at_start(tmp_path, keys, said):
+    from lightning_fasync.lightning.resources import ResourcePlan
+    from lightning_fasync.lightning.runtime import RolloutRuntime
+
+    cfg = validate(load_config({**keys, "data_source": {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2},
+                                "trainer": {"mini_batch_size": 4}}))
+    plan = ResourcePlan(trainer_cores=[0], replica_cores=[[1]])
+    runtime = RolloutRuntime(cfg, "tiny", plan, str(tmp_path), pin=False, client=_Engines())
+    try:
+        line = runtime.describe(plan)
+    finally:
+        runtime.shutdown()
+    assert line.startswith(f"lightning-fasync: {said}; trainer on cores [0], engines of the client passed in; ")
+    assert line.endswith("responses end at token ids [2] (the `repeat` task's EOS).")
+
+
+def test_the_fabric_loop_clips_and_steps_the_scheduler_at_every_training_call(tmp_path):
+    import lightning as L
+
+    from lightning_fasync.lightning.batch import RolloutBatch
+
+    norms = []
+
+    class Probe:
+        def on_before_optimizer_step(self, optimizer):
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, callbacks=[Probe()])
+    module = _Policy()
+    model, optimizer = fabric.setup(module, module.configure_optimizers())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    loop = FullyAsyncFabricLoop(fabric, CONFIG, log_dir=str(tmp_path))
+    loop._model, loop._optimizer, loop._hooks = model, optimizer, module
+    loop._training_step = lambda batch: {"loss": 1000 * model.layer(torch.ones(2)).sum()}
+    loop._clip, loop._scheduler = 0.5, scheduler
+    loop._train_call(RolloutBatch(groups=[]))
+    loop._clip = None
+    loop._train_call(RolloutBatch(groups=[]))
+    assert norms[0] == pytest.approx(0.5, rel=1e-4) and norms[1] > 100  # clipped only while asked to
+    assert scheduler.last_epoch == 2 and optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
