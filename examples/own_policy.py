@@ -43,6 +43,7 @@ CONFIG = {
     "fully_async": {"enable": True, "sliding_window": "windowed-fifo", "stale_steps": 1.0},
     "data_source": {"num_prompts_per_step": 8, "num_trajectories_per_prompt": 4},
     "trainer": {"mini_batch_size": 16, "save_freq": 1},
+    # Responses end at the policy's own EOS (38 here); "stop_token_ids": [38] would say so explicitly.
     "rollout": {"partial": True, "max_response_length": MAX_COUNT + 3},
 }
 CALLS_PER_STEP = 8 * 4 // 16  # (B x N) // M training calls (optimizer steps) per rollout step
