@@ -304,3 +304,82 @@ def test_the_fabric_loop_clips_and_steps_the_scheduler_at_every_training_call(tm
     loop._train_call(RolloutBatch(groups=[]))
     assert norms[0] == pytest.approx(0.5, rel=1e-4) and norms[1] > 100  # clipped only while asked to
     assert scheduler.last_epoch == 2 and optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.25)
+
+
+def test_the_run_summary_lists_what_the_run_wrote_with_commands_that_run_from_a_fresh_shell(tmp_path):
+    from lightning_fasync.lightning.cli import run_summary
+
+    bindir = os.path.dirname(sys.executable)
+    text = run_summary(str(tmp_path))
+    assert f"{bindir}/tensorboard --logdir {tmp_path}" in text
+    assert "checkpoints:  none written" in text and "export" not in text
+    assert "event log" not in text and "ledger" not in text  # nothing of them was written
+    (tmp_path / "events.jsonl").write_text("")
+    (tmp_path / "ledger.jsonl").write_text("")
+    CheckpointFiles(str(tmp_path / "checkpoints"), None).save(0, lambda path: open(path, "wb").close())
+    text = run_summary(str(tmp_path))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert f"export: {bindir}/lightning-fasync export --ckpt_path {last} --out trained" in text
+    assert f"timeline: {sys.executable} -m lightning_fasync.plots timeline {tmp_path / 'events.jsonl'}" in text
+    assert f"ledger:       {tmp_path / 'ledger.jsonl'}" in text
+
+
+
+@pytest.mark.parametrize("arg, said", [
+    ("--fully_async.stale_step=1", "`--fully_async.stale_step` is not an option; did you mean `--fully_async.stale_steps`?"),
+    ("--trainer.rolout_steps=3", "`--trainer.rolout_steps` is not an option; did you mean `--trainer.rollout_steps`?"),
+], ids=["an abbreviation", "a misspelling"])
+def test_a_mistyped_key_is_refused_in_one_line_naming_the_closest(capsys, arg, said):
+    from lightning_fasync.lightning.cli import main
+
+    assert main(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), arg, "--print_config"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f"lightning-fasync fit: error: {said} (lightning-fasync fit --help "
+                                                 "lists them)."]
+    assert "stale_steps: 1.0" not in captured.out  # not taken as another key
+
+
+def test_a_missing_config_file_is_one_line(capsys, tmp_path):
+    from lightning_fasync.lightning.cli import main
+
+    assert main(["--config", str(tmp_path / "nope.yaml")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"lightning-fasync fit: error: `config`: File does not exist: '{tmp_path / 'nope.yaml'}'"]
+
+
+def test_max_steps_on_the_command_line_wins_over_the_configs_rollout_steps(capsys):
+    from lightning_fasync.lightning.cli import CLI_KWARGS, FasyncCLI, main
+    from lightning_fasync.lightning.module import RLPolicyModule
+
+    config = os.path.join(REPO, "configs", "tiny_cpu.yaml")  # trainer.rollout_steps: 120, 4 calls per step
+    cli = FasyncCLI(RLPolicyModule, args=["--config", config, "--trainer.max_steps=16"], run=False, **CLI_KWARGS)
+    assert cli.trainer.max_steps == 16 and cli.fasync_config.trainer.rollout_steps == 4
+    assert ("`--trainer.max_steps=16` from the command line counts: 4 rollout steps (the config's "
+            "`trainer.rollout_steps` is overridden)") in capsys.readouterr().err
+    # Both on the command line: which one is meant cannot be told.
+    assert main(["--config", config, "--trainer.max_steps=16", "--trainer.rollout_steps=3"]) == 2
+    assert "give one of them" in capsys.readouterr().err
+    assert main(["--config", config, "--trainer.max_steps=10"]) == 2  # 2.5 rollout steps
+    assert "`trainer.max_steps` is 10, which ends inside a rollout step" in capsys.readouterr().err
+
+
+def test_a_missing_dataset_is_refused_before_anything_starts(capsys, tmp_path):
+    from lightning_fasync.lightning.cli import main
+
+    missing, root = tmp_path / "nope.parquet", tmp_path / "run"
+    rc = main(["--config", os.path.join(REPO, "configs", "tiny_cpu_math.yaml"), f"--data_source.path={missing}",
+               f"--trainer.default_root_dir={root}"])
+    assert rc == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"lightning-fasync fit: error: `data_source.path` '{missing}' does not exist.")
+    assert not root.exists()  # no empty version_0/ left behind
+
+
+def test_export_help_is_plain_text(capsys):
+    from lightning_fasync.lightning.export import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "Hugging Face directory" in text and ":func:" not in text and "``" not in text

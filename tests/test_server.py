@@ -233,6 +233,7 @@ def test_cli_flags():
     assert (args.model, args.port, args.host, args.threads, args.max_running_requests) == ("tiny", 123, "127.0.0.1", 2, 9)
     with pytest.raises(SystemExit):
         parse_args(["--port", "1"])
+    assert parse_args(["--model", "tiny"]).port == 30000  # as `export` and the README print it: SGLang's default
 
 
 @pytest.mark.slow

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import os
 import sys
+from argparse import ArgumentError
 from typing import Any, Optional, Sequence
 
 from jsonargparse import lazy_instance
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_fasync.config import ConfigError, FasyncConfig, TrainerConfig, add_config_arguments, config_from_namespace, validate
+from lightning_fasync.config import (ConfigError, FasyncConfig, TrainerConfig, _config_error_sentence, add_config_arguments,
+                                     config_from_namespace, validate)
 from lightning_fasync.lightning.callback import FullyAsyncCallback
 from lightning_fasync.lightning.checkpoints import find_last
 from lightning_fasync.lightning.module import RLPolicyModule
@@ -43,20 +45,48 @@ class FasyncCLI(LightningCLI):
         parser.link_arguments("rollout.mask_offpolicy_in_partial_rollout", "model.mask_offpolicy_in_partial_rollout")
         parser.link_arguments("rollout.temperature", "model.rollout_temperature")
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given = kwargs.get("args")
+        self._argv = [str(a) for a in (given if isinstance(given, (list, tuple)) else sys.argv[1:])]
+        super().__init__(*args, **kwargs)
+
+    def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 - jsonargparse parser
+        """Parse as LightningCLI does; a refused command line is one sentence (the parser does not
+        exit on errors here: no page of usage), with the closest key for a mistyped one."""
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as exc:
+            raise ConfigError(argument_error_sentence(exc, parser)) from None
+
     def before_instantiate_classes(self) -> None:
         ns = self.config[self.subcommand] if self.subcommand else self.config
         trainer_ns = ns["trainer"]
         cfg, _ = config_from_namespace(ns)
         validate(cfg)
+        _check_data_paths(cfg)
         self.fasync_config: FasyncConfig = cfg
         if cfg.trainer.rollout_steps is not None:
             calls = cfg.trainer.rollout_steps * cfg.minibatches_per_step
-            if trainer_ns.get("max_steps") not in (None, -1, calls):
-                raise ConfigError(
-                    f"`trainer.max_steps` is {trainer_ns['max_steps']} while `trainer.rollout_steps` is "
-                    f"{cfg.trainer.rollout_steps}; give one of them (max_steps counts training calls, "
-                    f"{cfg.minibatches_per_step} per rollout step)."
-                )
+            max_steps = trainer_ns.get("max_steps")
+            if max_steps not in (None, -1, calls):
+                # As everywhere in LightningCLI, what the command line gives wins over the config files.
+                given = {key for key in ("trainer.max_steps", "trainer.rollout_steps") if _on_command_line(self._argv, key)}
+                if given != {"trainer.max_steps"}:
+                    raise ConfigError(
+                        f"`trainer.max_steps` is {max_steps} while `trainer.rollout_steps` is "
+                        f"{cfg.trainer.rollout_steps}; give one of them (max_steps counts training calls, "
+                        f"{cfg.minibatches_per_step} per rollout step)."
+                    )
+                if max_steps % cfg.minibatches_per_step:
+                    raise ConfigError(
+                        f"`trainer.max_steps` is {max_steps}, which ends inside a rollout step: each rollout step is "
+                        f"{cfg.minibatches_per_step} training calls, so give a multiple of {cfg.minibatches_per_step}."
+                    )
+                cfg.trainer.rollout_steps = max_steps // cfg.minibatches_per_step
+                print(f"lightning-fasync fit: `--trainer.max_steps={max_steps}` from the command line counts: "
+                      f"{cfg.trainer.rollout_steps} rollout steps (the config's `trainer.rollout_steps` is overridden).",
+                      file=sys.stderr)
+                calls = max_steps
             trainer_ns["max_steps"] = calls
         if ns.get("ckpt_path") == "last":
             ns["ckpt_path"] = find_last_checkpoint(trainer_ns.get("default_root_dir") or ".")
@@ -93,6 +123,62 @@ class FasyncCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
+def _check_data_paths(cfg: FasyncConfig) -> None:
+    """Refuse, before any directory, engine or thread exists, a ``data_source.path`` (or an eval
+    set's) that is not there or holds no readable files."""
+    from lightning_fasync.data.files import _resolve_files
+
+    named = [("data_source", src) for src in cfg.sources]
+    named += [(f"eval.data_source[{i}]", src) for i, src in enumerate(cfg.eval.data_source)]
+    for key, src in named:
+        if not src.path:
+            continue
+        try:
+            _resolve_files(src.path, src.format)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(str(exc).replace("`data_source.", f"`{key}.")) from None
+
+
+def _on_command_line(argv: Sequence[str], key: str) -> bool:
+    """Whether ``--key`` (or ``--key=value``) is on the command line itself, not in a config file."""
+    return any(a == f"--{key}" or a.startswith(f"--{key}=") for a in argv)
+
+
+def _option_strings(parser: Any) -> list[str]:
+    """Every ``--option`` of ``parser`` and of its subcommands' parsers."""
+    out: list[str] = []
+    for action in getattr(parser, "_actions", []):
+        out += [o for o in action.option_strings if o.startswith("--")]
+        choices = getattr(action, "choices", None)
+        if isinstance(choices, dict):
+            for sub in choices.values():
+                if hasattr(sub, "_actions"):
+                    out += _option_strings(sub)
+    return out
+
+
+def argument_error_sentence(exc: BaseException, parser: Any) -> str:
+    """The parser's error as one sentence: an unrecognized option (a misspelling, or an
+    abbreviation, which is refused) gets the closest valid one; the rest as the config loader says it."""
+    import difflib
+    import re
+
+    text = " ".join(str(exc).split())
+    m = re.search(r"unrecognized arguments: (.*)$", text)
+    if m is None:
+        return _config_error_sentence(exc)
+    known = sorted(set(_option_strings(parser)))
+    parts = []
+    for arg in m.group(1).split():
+        if not arg.startswith("--"):
+            continue
+        key = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f"; did you mean `{close[0]}`?" if close else ""
+        parts.append(f"`{key}` is not an option{hint}")
+    return ("; ".join(parts) or f"unrecognized arguments: {m.group(1)}") + " (lightning-fasync fit --help lists them)."
+
+
 def find_last_checkpoint(root: str) -> str:
     """The checkpoint the newest ``last.ckpt`` under ``root`` points to (for ``--ckpt_path last``)."""
     found = find_last(root)
@@ -105,7 +191,8 @@ def find_last_checkpoint(root: str) -> str:
 
 
 def _where_it_went(cli: FasyncCLI) -> None:
-    """End the run by saying where its logs, checkpoints and event log are, and how to look."""
+    """End the run by saying where its logs, checkpoints and event log are, and how to look: only
+    what the run wrote, with commands that run from a fresh shell (this interpreter's own scripts)."""
     trainer = getattr(cli, "trainer", None)
     if trainer is None or not trainer.is_global_zero:
         return
@@ -113,14 +200,34 @@ def _where_it_went(cli: FasyncCLI) -> None:
     log_dir = next((c.log_dir for c in trainer.callbacks if isinstance(c, FullyAsyncCallback)), None)
     if not log_dir or not os.path.isdir(log_dir):
         return
-    print(
-        f"\nRun directory: {log_dir}\n"
-        f"  metrics:      tensorboard --logdir {log_dir}\n"
-        f"  checkpoints:  {os.path.join(log_dir, 'checkpoints')}\n"
-        f"  event log:    {os.path.join(log_dir, 'events.jsonl')} "
-        f"(timeline: python -m lightning_fasync.plots timeline {os.path.join(log_dir, 'events.jsonl')} timeline.png)\n"
-        f"  ledger:       {os.path.join(log_dir, 'ledger.jsonl')}"
-    )
+    print(run_summary(log_dir))
+
+
+def run_summary(log_dir: str) -> str:
+    """The closing lines of a ``fit`` run in ``log_dir``."""
+    bindir = os.path.dirname(sys.executable)
+
+    def script(name: str) -> str:  # the venv's console script when it is there, else the bare name
+        path = os.path.join(bindir, name)
+        return path if os.access(path, os.X_OK) else name
+
+    lines = [f"\nRun directory: {log_dir}", f"  metrics:      {script('tensorboard')} --logdir {log_dir}"]
+    checkpoints = os.path.join(log_dir, "checkpoints")
+    last = os.path.join(checkpoints, "last.ckpt")
+    if os.path.lexists(last):
+        lines.append(f"  checkpoints:  {checkpoints} (resume: --ckpt_path last; export: {script('lightning-fasync')} "
+                     f"export --ckpt_path {last} --out trained)")
+    else:
+        lines.append("  checkpoints:  none written (`trainer.save_freq` sets how often; 0 saves only on SIGTERM or lost "
+                     "engines)")
+    events = os.path.join(log_dir, "events.jsonl")
+    if os.path.isfile(events):
+        lines.append(f"  event log:    {events} (timeline: {sys.executable} -m lightning_fasync.plots timeline {events} "
+                     "timeline.png)")
+    ledger = os.path.join(log_dir, "ledger.jsonl")
+    if os.path.isfile(ledger):
+        lines.append(f"  ledger:       {ledger}")
+    return "\n".join(lines)
 
 
 MEGATRON_STRATEGY_NAMES = ("MegatronStrategy", "lightning_fasync.megatron.MegatronStrategy",
@@ -172,6 +279,16 @@ def policy_class(args: Sequence[str]) -> type:
     return RLPolicyModule
 
 
+#: How ``lightning-fasync fit`` builds its LightningCLI. The parsers refuse abbreviated options and
+#: raise instead of exiting on an error, which the CLI turns into one sentence.
+CLI_KWARGS: dict[str, Any] = dict(
+    trainer_defaults={"strategy": lazy_instance(FullyAsyncStrategy), "max_epochs": -1, "log_every_n_steps": 1},
+    save_config_kwargs={"overwrite": True},
+    parser_kwargs={"fit": {"default_env": False, "allow_abbrev": False, "exit_on_error": False},
+                   "allow_abbrev": False, "exit_on_error": False, "default_env": False},
+)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-fasync fit ...``: returns the exit status."""
     if argv is None:
@@ -186,13 +303,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not any(a.startswith("--weights_only") for a in args):
             args.append("--weights_only=true")
     try:
-        cli = FasyncCLI(
-            policy_class(sys.argv[1:] if args is None else args),
-            args=args,
-            trainer_defaults={"strategy": lazy_instance(FullyAsyncStrategy), "max_epochs": -1, "log_every_n_steps": 1},
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"fit": {"default_env": False}},
-        )
+        cli = FasyncCLI(policy_class(sys.argv[1:] if args is None else args), args=args, **CLI_KWARGS)
     except ConfigError as exc:
         print(f"lightning-fasync fit: error: {exc}", file=sys.stderr)
         return 2

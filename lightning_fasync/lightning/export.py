@@ -374,7 +374,10 @@ def _publish(tmp: str, out: str, overwrite: bool) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-fasync export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="lightning-fasync export",
+        description="Write a trained policy out of a `lightning-fasync fit` checkpoint as a Hugging Face directory "
+                    "(config, safetensors weights, tokenizer) that transformers and `lightning-fasync serve` load.")
     parser.add_argument("--ckpt_path", required=True,
                         help="a checkpoint written by `lightning-fasync fit`: a file (single device, DDP), a sharded "
                              "checkpoint directory (model_parallel, megatron), or a link to either such as last.ckpt")

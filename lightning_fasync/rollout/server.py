@@ -691,7 +691,7 @@ def build_app(
 def parse_args(argv: Optional[list[str]] = None) -> Namespace:
     p = ArgumentParser(prog="lightning-fasync serve", default_env=False, description="Serve one embedded rollout engine replica.")
     p.add_argument("--model", required=True, help="Local Hugging Face model directory or a preset (tiny, qwen3-30m-shape, qwen3-0.6b-shape).")
-    p.add_argument("--port", type=int, required=True, help="Port to listen on.")
+    p.add_argument("--port", type=int, default=30000, help="Port to listen on (default 30000, as SGLang's).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads.")
     p.add_argument("--max-running-requests", type=int, default=None, help="Requests decoded together at most.")
