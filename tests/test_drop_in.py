@@ -309,9 +309,12 @@ def test_the_fabric_loop_clips_and_steps_the_scheduler_at_every_training_call(tm
 def test_the_run_summary_lists_what_the_run_wrote_with_commands_that_run_from_a_fresh_shell(tmp_path):
     from lightning_fasync.lightning.cli import run_summary
 
-    bindir = os.path.dirname(sys.executable)
+    def script(name):  # the interpreter's own console script, where the project is installed as one
+        path = os.path.join(os.path.dirname(sys.executable), name)
+        return path if os.access(path, os.X_OK) else name
+
     text = run_summary(str(tmp_path))
-    assert f"{bindir}/tensorboard --logdir {tmp_path}" in text
+    assert f"{script('tensorboard')} --logdir {tmp_path}" in text
     assert "checkpoints:  none written" in text and "export" not in text
     assert "event log" not in text and "ledger" not in text  # nothing of them was written
     (tmp_path / "events.jsonl").write_text("")
@@ -319,7 +322,7 @@ def test_the_run_summary_lists_what_the_run_wrote_with_commands_that_run_from_a_
     CheckpointFiles(str(tmp_path / "checkpoints"), None).save(0, lambda path: open(path, "wb").close())
     text = run_summary(str(tmp_path))
     last = tmp_path / "checkpoints" / "last.ckpt"
-    assert f"export: {bindir}/lightning-fasync export --ckpt_path {last} --out trained" in text
+    assert f"export: {script('lightning-fasync')} export --ckpt_path {last} --out trained" in text
     assert f"timeline: {sys.executable} -m lightning_fasync.plots timeline {tmp_path / 'events.jsonl'}" in text
     assert f"ledger:       {tmp_path / 'ledger.jsonl'}" in text
 
@@ -383,3 +386,24 @@ def test_export_help_is_plain_text(capsys):
     assert info.value.code == 0
     text = capsys.readouterr().out
     assert "Hugging Face directory" in text and ":func:" not in text and "``" not in text
+
+
+def test_without_stop_ids_or_a_tokenizer_to_find_the_eos_the_run_is_refused(tmp_path):
+    from lightning_fasync.lightning.resources import ResourcePlan
+    from lightning_fasync.lightning.runtime import RolloutRuntime
+
+    cfg = validate(load_config(CONFIG))
+    plan = ResourcePlan(trainer_cores=[0], replica_cores=[[1]])
+    prompts = ListDataSource([([1, 2, 3], {})])
+    with pytest.raises(ConfigError, match=r"`rollout.stop_token_ids` is not set and the policy's tokenizer cannot be "
+                                          r"loaded.*set rollout.stop_token_ids"):
+        RolloutRuntime(cfg, None, plan, str(tmp_path), pin=False, client=_Engines(), datasource=prompts,
+                       reward=lambda s, t: 0.0)
+    # Given, they are used as they are.
+    given = validate(load_config({**CONFIG, "rollout": {"stop_token_ids": [7]}}))
+    runtime = RolloutRuntime(given, None, plan, str(tmp_path), pin=False, client=_Engines(), datasource=prompts,
+                             reward=lambda s, t: 0.0)
+    try:
+        assert runtime.describe(plan).endswith("responses end at token ids [7] (rollout.stop_token_ids).")
+    finally:
+        runtime.shutdown()

@@ -164,7 +164,7 @@ def argument_error_sentence(exc: BaseException, parser: Any) -> str:
     import re
 
     text = " ".join(str(exc).split())
-    m = re.search(r"unrecognized arguments: (.*)$", text)
+    m = re.search(r"[Uu]nrecognized arguments: (.*)$", text)
     if m is None:
         return _config_error_sentence(exc)
     known = sorted(set(_option_strings(parser)))

@@ -165,6 +165,17 @@ class RolloutRuntime:
             eval_budget = cfg.eval.sampling.max_response_length or cfg.rollout.max_response_length
             context = max([context, *(e.longest_prompt + eval_budget + 1 for e in self._eval_sets)])
         self._client_given = client is not None
+        # What ends a response, before anything starts (an agent flow passed in sets its own).
+        self.stop_token_ids: Optional[list[int]] = None
+        self.stop_source = "as the agent flow passed to the driver says"
+        if flow is None:
+            try:
+                self.stop_token_ids, self.stop_source = self._stop_token_ids(src, self._prompts_from_task)
+            except BaseException:
+                self.reward_runner.close()
+                for eval_set in self._eval_sets:
+                    eval_set.reward.close()
+                raise
         from lightning_fasync.rollout.client import SGLangClient
 
         if (client is not None and not isinstance(client, SGLangClient)
@@ -217,7 +228,6 @@ class RolloutRuntime:
             if client is None:
                 client = self.pool.client(max_connections=cfg.agentflow.router.max_connections,
                                           generate_timeout_s=cfg.rollout.request_timeout)
-            self.stop_token_ids, self.stop_source = self._stop_token_ids(src, self._prompts_from_task)
             if flow is None:
                 sampling = SamplingParams(
                     temperature=cfg.rollout.temperature,
@@ -267,8 +277,10 @@ class RolloutRuntime:
             engines = f"{plan.num_replicas} embedded engine replica(s) on cores {plan.replica_cores}"
         else:
             engines = f"engines of rollout.backend `{cfg.rollout.backend}`"
+        stops = f"at token ids {self.stop_token_ids} ({self.stop_source})" if self.stop_token_ids is not None \
+            else self.stop_source
         return (f"lightning-fasync: {mode}; trainer on cores {plan.trainer_cores}, {engines}; weight sync "
-                f"`{self.weight_sync}`; responses end at token ids {self.stop_token_ids} ({self.stop_source}).")
+                f"`{self.weight_sync}`; responses end {stops}.")
 
     @property
     def task(self) -> Any:
