@@ -210,27 +210,6 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def policy_stop_token_ids(tokenizer: Any, name_or_path: str | None = None) -> tuple[list[int], list[str]]:
-    """The token ids that end the policy's responses: its tokenizer's EOS and its chat template's
-    end-of-turn token (:func:`~lightning_fasync.data.files.stop_token_ids`), then the
-    ``eos_token_id`` of its ``generation_config.json`` (an id or a list, as transformers writes it)
-    when ``name_or_path`` is a local directory that has one.
-
-    Returns:
-        Distinct ids (the tokenizer's first) and, for each, its token as the tokenizer writes it.
-    """
-    from lightning_fasync.data.files import stop_token_ids
-
-    ids = stop_token_ids(tokenizer)
-    if name_or_path and os.path.isfile(os.path.join(name_or_path, "generation_config.json")):
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(name_or_path).eos_token_id
-        ids += [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None]
-    ids = list(dict.fromkeys(ids))
-    return ids, [repr(tokenizer.convert_ids_to_tokens(i)) for i in ids]
-
-
 def save_policy(model: Any, tokenizer: Any, path: str) -> str:
     """Save a policy as a Hugging Face directory (safetensors weights) that ``build_policy`` loads.
 

@@ -237,7 +237,8 @@ def test_the_policys_own_eos_ends_its_responses(tmp_path):
         import own_policy
     finally:
         sys.path.pop(0)
-    from lightning_fasync.policy import load_tokenizer, policy_stop_token_ids
+    from lightning_fasync.data.files import policy_stop_token_ids
+    from lightning_fasync.policy import load_tokenizer
 
     model_dir = own_policy.save_own_model(str(tmp_path / "model"))
     tokenizer = load_tokenizer(model_dir)

@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 from lightning_fasync.pipeline.datasource import ListDataSource
 
-__all__ = ["FileDataSource", "chat_messages", "render_prompt", "stop_token_ids"]
+__all__ = ["FileDataSource", "chat_messages", "policy_stop_token_ids", "render_prompt", "stop_token_ids"]
 
 # data_source.format -> the extensions it reads.
 FORMATS: dict[str, tuple[str, ...]] = {
@@ -118,6 +118,25 @@ def stop_token_ids(tokenizer: Any) -> list[int]:
         vocab = tokenizer.get_vocab()
         ids += [int(vocab[t]) for t in END_OF_TURN_TOKENS if t in template and t in vocab]
     return list(dict.fromkeys(ids))
+
+
+def policy_stop_token_ids(tokenizer: Any, name_or_path: str | None = None) -> tuple[list[int], list[str]]:
+    """The token ids that end the policy's responses: its tokenizer's EOS and its chat template's
+    end-of-turn token (:func:`stop_token_ids`), then the ``eos_token_id`` of its
+    ``generation_config.json`` (an id or a list, as transformers writes it) when ``name_or_path``
+    is a local directory that has one.
+
+    Returns:
+        Distinct ids (the tokenizer's first) and, for each, its token as the tokenizer writes it.
+    """
+    ids = stop_token_ids(tokenizer)
+    if name_or_path and os.path.isfile(os.path.join(name_or_path, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(name_or_path).eos_token_id
+        ids += [int(i) for i in (eos if isinstance(eos, (list, tuple)) else [eos]) if i is not None]
+    ids = list(dict.fromkeys(ids))
+    return ids, [repr(tokenizer.convert_ids_to_tokens(i)) for i in ids]
 
 
 def keep_short(prompts: list[Prompt], max_prompt_length: Optional[int], owner: str) -> tuple[list[Prompt], int]:

@@ -372,14 +372,14 @@ class RolloutRuntime:
                         key: str = "data_source") -> tuple[list[int], str]:
         """The token ids that end a response, and where they come from: ``rollout.stop_token_ids``;
         else, when the config's task makes the prompts, the task's EOS; else the policy's own
-        (:func:`~lightning_fasync.policy.policy_stop_token_ids`: its tokenizer's EOS and
+        (:func:`~lightning_fasync.data.files.policy_stop_token_ids`: its tokenizer's EOS and
         end-of-turn token, its generation config's ``eos_token_id``)."""
         stop = self.cfg.rollout.stop_token_ids
         if stop is not None:
             return list(stop), "rollout.stop_token_ids"
         if from_task:
             return list((task or self.task).stop_token_ids), f"the `{src.task}` task's EOS"
-        from lightning_fasync.policy import policy_stop_token_ids
+        from lightning_fasync.data.files import policy_stop_token_ids
 
         try:
             ids, names = policy_stop_token_ids(self.tokenizer, self._engine_model)
