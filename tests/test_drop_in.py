@@ -408,3 +408,18 @@ def test_without_stop_ids_or_a_tokenizer_to_find_the_eos_the_run_is_refused(tmp_
         assert runtime.describe(plan).endswith("responses end at token ids [7] (rollout.stop_token_ids).")
     finally:
         runtime.shutdown()
+
+
+def test_the_fit_command_drops_lightnings_chatter_and_says_what_it_trained(tmp_path):
+    import logging
+
+    from lightning_fasync.lightning.cli import _LightningChatter, run_summary
+
+    def record(message):
+        return logging.LogRecord("lightning.pytorch.utilities.rank_zero", logging.INFO, __file__, 1, message, None, None)
+
+    quiet = _LightningChatter()
+    assert not quiet.filter(record("`Trainer.fit` stopped: `max_steps=80` reached."))  # training calls, on the bar's line
+    assert not quiet.filter(record("💡 Tip: For seamless cloud logging and experiment tracking, try installing ..."))
+    assert quiet.filter(record("GPU available: False, used: False"))
+    assert run_summary(str(tmp_path), 20, 80).splitlines()[1] == "Trained 20 rollout steps (80 training calls)."

@@ -12,6 +12,7 @@ one-sentence error and exits with status 2.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from argparse import ArgumentError
@@ -197,21 +198,25 @@ def _where_it_went(cli: FasyncCLI) -> None:
     if trainer is None or not trainer.is_global_zero:
         return
     # The callback resolved the log dir in setup (trainer.log_dir is a collective under DDP).
-    log_dir = next((c.log_dir for c in trainer.callbacks if isinstance(c, FullyAsyncCallback)), None)
+    callback = next((c for c in trainer.callbacks if isinstance(c, FullyAsyncCallback)), None)
+    log_dir = callback.log_dir if callback is not None else None
     if not log_dir or not os.path.isdir(log_dir):
         return
-    print(run_summary(log_dir))
+    steps = callback.controller.rollout_step if callback.controller is not None else None
+    print(run_summary(log_dir, steps, trainer.global_step))
 
 
-def run_summary(log_dir: str) -> str:
-    """The closing lines of a ``fit`` run in ``log_dir``."""
+def run_summary(log_dir: str, rollout_steps: Optional[int] = None, calls: Optional[int] = None) -> str:
+    """The closing lines of a ``fit`` run in ``log_dir``: the steps it trained (``rollout_steps``
+    rollout steps, ``calls`` training calls), then where everything is."""
     bindir = os.path.dirname(sys.executable)
 
     def script(name: str) -> str:  # the venv's console script when it is there, else the bare name
         path = os.path.join(bindir, name)
         return path if os.access(path, os.X_OK) else name
 
-    lines = [f"\nRun directory: {log_dir}", f"  metrics:      {script('tensorboard')} --logdir {log_dir}"]
+    lines = [f"\nTrained {rollout_steps} rollout steps ({calls} training calls)."] if rollout_steps is not None else []
+    lines += [f"Run directory: {log_dir}", f"  metrics:      {script('tensorboard')} --logdir {log_dir}"]
     checkpoints = os.path.join(log_dir, "checkpoints")
     last = os.path.join(checkpoints, "last.ckpt")
     if os.path.lexists(last):
@@ -302,10 +307,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = ["fit", *argv]
         if not any(a.startswith("--weights_only") for a in args):
             args.append("--weights_only=true")
+    quiet = _LightningChatter()
+    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero_log.addFilter(quiet)
     try:
         cli = FasyncCLI(policy_class(sys.argv[1:] if args is None else args), args=args, **CLI_KWARGS)
     except ConfigError as exc:
         print(f"lightning-fasync fit: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        rank_zero_log.removeFilter(quiet)
     _where_it_went(cli)
     return 0
+
+
+class _LightningChatter(logging.Filter):
+    """Lightning's lines that say nothing about this run: the litlogger advertisement, and "`Trainer.fit`
+    stopped: `max_steps=N` reached" in training calls, printed on the progress bar's line (the
+    closing summary says how many rollout steps and training calls were trained)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("💡 Tip: For seamless cloud logging")
+                    or message.startswith("`Trainer.fit` stopped: `max_steps="))
