@@ -102,9 +102,11 @@ def check_frontend(url: str, with_select: bool = True) -> dict[str, Any]:
     backend = sgl.RuntimeEndpoint(url)
     sgl.set_default_backend(backend)
 
+    # 32 tokens: a stream whose reader falls behind gets the latest cumulative state (as from SGLang's
+    # own server), so on a loaded machine a few tokens can arrive as one chunk.
     @sgl.function
     def answer(s, question):
-        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=8, temperature=0)
+        s += "Q: " + question + "\nA:" + sgl.gen("answer", max_tokens=32, temperature=0)
 
     @sgl.function
     def choose(s):
