@@ -59,6 +59,7 @@ class DistributedWeightSync(_BucketedSync):
         self.group_name: Optional[str] = None
         self.members: list[str] = []
         self._socket: Optional[socket.socket] = None
+        self._leaked: list[tuple[Any, socket.socket]] = []  # broken groups and their store sockets, kept as they are
         self._broken = False  # a collective of the group failed: abandon it, do not destroy it
 
     async def connect(self) -> None:
@@ -102,13 +103,21 @@ class DistributedWeightSync(_BucketedSync):
             skipped = await self._collect(calls, creating, "the weight-update group", "init_weights_update_group")
         except BaseException:
             # Rank 0's side may still wait for the engines (until its timeout): its socket closes after.
-            creating.add_done_callback(lambda _: listen.close())
+            creating.add_done_callback(lambda done: self._abandon(done, listen))
             raise
         self._broken = False
         if skipped:  # an engine left while the group formed: form it again with the others
-            creating.add_done_callback(lambda _: listen.close())
+            creating.add_done_callback(lambda done: self._abandon(done, listen))
             raise _MembersChanged()
         self.group, self.group_name, self.members, self._socket = creating.result(), name, list(urls), listen
+
+    def _abandon(self, creating: "asyncio.Future[Any]", listen: socket.socket) -> None:
+        """A group formed after its push gave up on it: keep it and its store's listening socket as
+        they are, as a broken group is kept; a store that never started leaves the socket ours to close."""
+        if not creating.cancelled() and creating.exception() is None:
+            self._leaked.append((creating.result(), listen))
+        else:
+            listen.close()
 
     async def _disband(self) -> None:
         """Leave the current group: engines that still serve destroy their side (best effort)."""
@@ -121,11 +130,16 @@ class DistributedWeightSync(_BucketedSync):
             await asyncio.wait_for(asyncio.gather(*(self.rpc._request(
                 "POST", u + "/destroy_weights_update_group", {"group_name": name}, timeout=10) for u in live),
                 return_exceptions=True), 15)
-        if not self._broken:
+        broken, self._broken = self._broken, False
+        if not broken:
             weight_wire.destroy_process_group(group)
-        self._broken = False
         if self._socket is not None:
-            self._socket.close()
+            if broken:
+                # The broken group is left as it is (destroying it can hang), and so is the listening
+                # socket its store serves: closed under the running store, its event loop spins.
+                self._leaked.append((group, self._socket))
+            else:
+                self._socket.close()
             self._socket = None
 
     async def close(self) -> None:
