@@ -60,7 +60,7 @@ def test_the_codes_own_error_is_its_result(sandbox):
         ("while True:\n    pass", "time limit exceeded"),  # CPU: RLIMIT_CPU
         ("import time\ntime.sleep(60)", "time limit exceeded"),  # no CPU: the wall clock kills the group
         ("x = bytearray(2 * 1024 ** 3)", "memory limit exceeded"),
-        ("chunks = []\nwhile True:\n    chunks.append(bytearray(10 ** 7))", "memory limit exceeded"),
+        ("chunks = []\nwhile True:\n    chunks.append(bytearray(64 * 1024 ** 2))", "memory limit exceeded"),
         ("open('big.bin', 'wb').write(b'x' * (2 * 1024 ** 2))", "file size limit exceeded"),
         ("while True:\n    print('spam' * 100)", "output limit exceeded"),
     ],
