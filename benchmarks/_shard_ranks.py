@@ -2,12 +2,12 @@
 
 ``world`` spawned processes on gloo (127.0.0.1) each build the same seeded preset, in turn (one full
 model in memory at a time, none in the parent), and shard it with
-:func:`~lightning_fasync.lightning.sharding.shard_policy` over a ``(world, 1)`` mesh: FSDP2 over the
+:func:`~lightning_fasync.trainers.fsdp.sharding.shard_policy` over a ``(world, 1)`` mesh: FSDP2 over the
 ``data_parallel`` dim, as ``ModelParallelStrategy(data_parallel_size=world)`` does. They stay up for
 every push of one model and dtype, each driven by the parent over its own pipe, and are stopped by
 pid. A push is what a sharded trainer's step boundary runs: every rank builds
-:func:`~lightning_fasync.lightning.shard_gather.full_tensor_stream`; rank 0 hands it to its
-:class:`~lightning_fasync.rollout.weight_sync.WeightSync`, which gathers one tensor at a time into
+:func:`~lightning_fasync.weights.shard_gather.full_tensor_stream`; rank 0 hands it to its
+:class:`~lightning_fasync.weights.sync.WeightSync`, which gathers one tensor at a time into
 its bucket, and the others drain theirs. Rank 0 times the gathers (``DTensor.full_tensor()`` calls)
 apart from the push that contains them.
 
@@ -79,7 +79,7 @@ class PeakRss:
 def stream_bound(specs: Any, bucket_bytes: int) -> tuple[int, int]:
     """``(largest bucket, largest tensor)`` in bytes of a stream with ``specs`` pushed in buckets of
     at most ``bucket_bytes``, planned by the weight sync's own rule (a larger tensor goes alone)."""
-    from lightning_fasync.rollout import weight_wire
+    from lightning_fasync.weights import wire as weight_wire
 
     sizes = [(s.nbytes, s.dtype.itemsize) for s in specs]
     buckets = [specs[r.start : r.stop] for r in weight_wire.plan_ranges(sizes, bucket_bytes)]
@@ -90,7 +90,7 @@ def stream_bound(specs: Any, bucket_bytes: int) -> tuple[int, int]:
 
 def _timed(stream: Any) -> tuple[Any, list[float]]:
     """``stream`` as a new stream whose takes (the gathers) add their seconds to the returned cell."""
-    from lightning_fasync.rollout.tensor_stream import TensorStream
+    from lightning_fasync.weights.tensor_stream import TensorStream
 
     spent = [0.0]
 
@@ -116,8 +116,8 @@ def _rank_main(rank: int, world: int, port: int, conn: Any, spec: dict[str, Any]
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from lightning_fasync.lightning.shard_gather import full_tensor_stream
-        from lightning_fasync.lightning.sharding import shard_policy
+        from lightning_fasync.weights.shard_gather import full_tensor_stream
+        from lightning_fasync.trainers.fsdp.sharding import shard_policy
         from lightning_fasync.policy import build_policy
 
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=spec["timeout_s"]))
@@ -165,8 +165,8 @@ def _serve(rank: int, cmd: str, args: list[Any], policy: Any, loop: Any, syncs: 
     if cmd == "open":  # the path's WeightSync (and, for distributed, its group) before anything is measured
         kind, url = args
         if rank == 0:
-            from lightning_fasync.rollout.client import SGLangClient
-            from lightning_fasync.rollout.weight_sync import make_weight_sync
+            from lightning_fasync.fleet.client import SGLangClient
+            from lightning_fasync.weights.sync import make_weight_sync
 
             sync = make_weight_sync(kind, SGLangClient([url], admin_timeout_s=spec["timeout_s"]),
                                     bucket_bytes=spec["bucket_bytes"], timeout_s=spec["timeout_s"],
@@ -198,7 +198,7 @@ def _serve(rank: int, cmd: str, args: list[Any], policy: Any, loop: Any, syncs: 
         return {"push_s": elapsed, "gather_s": spent[0], "rss_before": mem.before, "peak": mem.peak,
                 "rss_after": rss_bytes(), "method": mem.method}
     if cmd == "checksums":  # what the stream delivers, hashed as the engines hash their weights
-        from lightning_fasync.rollout.weight_checksum import tensor_checksum
+        from lightning_fasync.weights.checksum import tensor_checksum
 
         stream = full_tensor_stream(policy)
         if rank != 0:
@@ -234,7 +234,7 @@ class ShardedTrainer:
 
     def start(self) -> "ShardedTrainer":
         """Spawn the ranks and wait until each has built and sharded its model."""
-        from lightning_fasync.rollout.launch import free_port
+        from lightning_fasync.fleet.launch import free_port
 
         here = os.path.dirname(os.path.abspath(__file__))
         if here not in sys.path:  # a spawned rank imports this module by name, with this sys.path

@@ -25,7 +25,7 @@ from lightning_fasync.pipeline.controller import FullyAsyncController
 from lightning_fasync.pipeline.datasource import ListDataSource
 from lightning_fasync.pipeline.engine_client import SamplingParams
 from lightning_fasync.pipeline.flow import SingleTurnFlow
-from lightning_fasync.pipeline.instant_engine import InstantEngine
+from lightning_fasync.testing.instant_engine import InstantEngine
 
 
 class _Hooks:

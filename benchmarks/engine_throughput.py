@@ -94,7 +94,7 @@ def hf_one_at_a_time(model, tokenizer, batch: list[list[int]], max_new: int, dev
 
 
 def in_process_runner(model, args) -> tuple[Callable[..., tuple[int, float]], Callable[[], None]]:
-    from lightning_fasync.rollout.engine import Engine, EngineRequest
+    from lightning_fasync.engine.engine import Engine, EngineRequest
 
     engine = Engine(model, max_running_requests=args.max_running_requests, context_length=args.context_length,
                     max_total_tokens=args.max_total_tokens)
@@ -121,8 +121,8 @@ def in_process_runner(model, args) -> tuple[Callable[..., tuple[int, float]], Ca
 
 def http_runner(args, cores: list[int]) -> tuple[Callable[..., tuple[int, float]], Callable[[], None]]:
     from lightning_fasync.pipeline.engine_client import GenerateRequest, SamplingParams
-    from lightning_fasync.rollout.client import SGLangClient
-    from lightning_fasync.rollout.launch import launch_server
+    from lightning_fasync.fleet.client import SGLangClient
+    from lightning_fasync.fleet.launch import launch_server
 
     server = launch_server(args.preset, threads=args.threads, max_running_requests=args.max_running_requests,
                            cpu_cores=cores if args.device == "cpu" else None, context_length=args.context_length,

@@ -1,7 +1,7 @@
 """The megatron-core GPU check, prepared for one GPU (an H200 in issue 12), under 10 minutes.
 
 A Qwen3-0.6B-shaped random bfloat16 model, built as megatron-core's ``GPTModel`` from the Hugging
-Face config with the converted HF weights (``lightning_fasync.megatron``; TP = PP = 1):
+Face config with the converted HF weights (``lightning_fasync.trainers.megatron``; TP = PP = 1):
 
 1. **Logits** against the HF model on the same tokens (bf16; relative error and top-1 agreement).
 2. **Export**: ``megatron_to_hf`` of the GPU model's state dict equals the HF weights exactly.
@@ -15,7 +15,7 @@ Face config with the converted HF weights (``lightning_fasync.megatron``; TP = P
 4. **RL steps**: ``lightning-fasync fit`` with ``MegatronStrategy`` on the GPU (bf16, TP = PP = 1)
    for ``--steps`` rollout steps of the ``qwen3-0.6b-shape`` preset against the embedded engine
    (which ``fit`` starts on the CPU cores), weights over the ``tensor`` path: finite losses and a
-   weight push every step. On CPU (``--device cpu``) this stage is skipped: tests/test_megatron_fit.py
+   weight push every step. On CPU (``--device cpu``) this stage is skipped: tests/integration/test_megatron_fit.py
    runs it under the test shim. Then 2 colocated steps with ``colocate_offload``: the trainer's
    megatron-core buffers and optimizer state leave the GPU between them and come back.
 
@@ -122,14 +122,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state, tensor_parallel
 
-    from lightning_fasync.megatron import convert
-    from lightning_fasync.megatron.model import build_gpt_model, load_hf_weights
-    from lightning_fasync.rollout.launch import free_port
+    from lightning_fasync.trainers.megatron import convert
+    from lightning_fasync.trainers.megatron.model import build_gpt_model, load_hf_weights
+    from lightning_fasync.fleet.launch import free_port
 
     cuda = args.device.startswith("cuda")
     shim = contextlib.nullcontext
-    if not cuda:  # the test-only CPU shim (tests/megatron_cpu.py says what it patches)
-        sys.path.insert(0, os.path.join(REPO, "tests"))
+    if not cuda:  # the test-only CPU shim (tests/helpers/megatron_cpu.py says what it patches)
+        sys.path.insert(0, os.path.join(REPO, "tests", "helpers"))
         from megatron_cpu import cpu_forward_shim as shim
     try:
         import transformer_engine  # noqa: F401
@@ -258,7 +258,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         record("colocated RL steps, trainer offloaded between them", lambda: rl_fit(args, log, colocate=True))
     else:
         rows.append(("RL steps via MegatronStrategy + embedded engine (tensor sync)", "skipped on CPU",
-                     "tests/test_megatron_fit.py runs it on CPU ranks under the test shim"))
+                     "tests/integration/test_megatron_fit.py runs it on CPU ranks under the test shim"))
 
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

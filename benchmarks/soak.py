@@ -86,7 +86,7 @@ def child(argv: list[str]) -> int:
         kills[int(step)] = phase or "mid"
     out = open(ours.stats, "a", buffering=1)
 
-    from lightning_fasync.lightning import runtime as rt
+    from lightning_fasync.runtime import rollout_runtime as rt
     from lightning_fasync.lightning.cli import main
 
     original = rt.RolloutRuntime.sync_weights

@@ -126,7 +126,7 @@ class CpuSampler:
     def role(pid: int, root: int, cmd: str) -> str:
         if pid == root:
             return "trainer"
-        return "engine" if "lightning_fasync.rollout.server" in cmd else "other"
+        return "engine" if "lightning_fasync.engine.server" in cmd else "other"
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -3,7 +3,7 @@
 For each model (``tiny``, and ``qwen3-0.6b-shape``: Qwen3-0.6B's dimensions, 0.6 B parameters,
 random weights in float32 and in bfloat16 (``--dtypes``), on CPU), one embedded engine process is started and the trainer's weights
 (this process) are pushed to it ``--repeats`` times over each path of
-:mod:`lightning_fasync.rollout.weight_sync`: ``distributed`` (gloo broadcast of flattened buckets),
+:mod:`lightning_fasync.weights.sync`: ``distributed`` (gloo broadcast of flattened buckets),
 ``tensor`` (SGLang-serialised buckets in shared memory) and ``disk`` (a safetensors directory).
 A push is the whole sequence a step boundary runs: pause, flush, bracket, every bucket, flush,
 continue; the engine's own load (copy into its parameters, rebuild of its fused matrices) is part
@@ -112,7 +112,7 @@ def _synchronize() -> None:
 
 
 def _buckets_bytes(tensors: dict[str, Any], bucket_mb: int) -> list[int]:
-    from lightning_fasync.rollout import weight_wire
+    from lightning_fasync.weights import wire as weight_wire
 
     return [sum(t.numel() * t.element_size() for _, t in b) for b in weight_wire.plan_buckets(tensors, bucket_mb * 2**20)]
 
@@ -120,7 +120,7 @@ def _buckets_bytes(tensors: dict[str, Any], bucket_mb: int) -> list[int]:
 _RECEIVER = r"""
 import datetime, sys, torch
 sys.path.insert(0, sys.argv[1])
-from lightning_fasync.rollout import weight_wire
+from lightning_fasync.weights import wire as weight_wire
 torch.set_num_threads(1)
 port, sizes, rounds = int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4])
 pg = weight_wire.init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 1, "bench",
@@ -140,8 +140,8 @@ def gloo_rate(sizes: list[int], repeats: int) -> float:
 
     import torch
 
-    from lightning_fasync.rollout import weight_wire
-    from lightning_fasync.rollout.launch import free_port
+    from lightning_fasync.weights import wire as weight_wire
+    from lightning_fasync.fleet.launch import free_port
 
     port = free_port()
     rounds = 1 + repeats
@@ -170,7 +170,7 @@ def file_rate(tensors: dict[str, Any], bucket_mb: int, repeats: int, work_dir: s
     preallocated memory through a memory map (median of ``repeats``; the disk path's medium)."""
     import torch
 
-    from lightning_fasync.rollout import weight_wire
+    from lightning_fasync.weights import wire as weight_wire
 
     buckets = weight_wire.plan_buckets(tensors, bucket_mb * 2**20)
     srcs = [torch.cat([t.reshape(-1).view(torch.uint8) for _, t in b]).cpu() for b in buckets]
@@ -193,8 +193,8 @@ def file_rate(tensors: dict[str, Any], bucket_mb: int, repeats: int, work_dir: s
 
 
 async def time_path(kind: str, url: str, tensors: dict[str, Any], repeats: int, bucket_mb: int, work_dir: str) -> dict[str, Any]:
-    from lightning_fasync.rollout.client import SGLangClient
-    from lightning_fasync.rollout.weight_sync import make_weight_sync
+    from lightning_fasync.fleet.client import SGLangClient
+    from lightning_fasync.weights.sync import make_weight_sync
 
     client = SGLangClient([url], admin_timeout_s=1800)
     sync = make_weight_sync(kind, client, bucket_bytes=bucket_mb * 2**20, timeout_s=1800, work_dir=work_dir)
@@ -226,8 +226,8 @@ def bench_model(name: str, paths: list[str], repeats: int, bucket_mb: int, threa
     import torch
 
     from lightning_fasync.policy import build_policy
-    from lightning_fasync.rollout.launch import launch_server
-    from lightning_fasync.rollout.weight_sync import unique_tensors
+    from lightning_fasync.fleet.launch import launch_server
+    from lightning_fasync.weights.sync import unique_tensors
 
     model, _ = build_policy(name, getattr(torch, dtype))
     model.to(device)
@@ -279,9 +279,9 @@ def bench_sharded(common: dict[str, Any], tensors: dict[str, Any], url: str, kin
                   trainer_threads: int, work_dir: str) -> list[dict[str, Any]]:
     """The sharded section for one model and dtype (module docstring): per path in ``kinds``, a row
     for this process's push of ``tensors`` and one for the 2-rank FSDP2 trainer's, to ``url``."""
-    from lightning_fasync.rollout.client import SGLangClient
-    from lightning_fasync.rollout.weight_checksum import checksums
-    from lightning_fasync.rollout.weight_sync import make_weight_sync
+    from lightning_fasync.fleet.client import SGLangClient
+    from lightning_fasync.weights.checksum import checksums
+    from lightning_fasync.weights.sync import make_weight_sync
 
     bucket = common["bucket_mb"] * 2**20
     rows = []

@@ -4,9 +4,12 @@ Docstrings say "the spec" for the contract this package implements, written down
 ``docs/contract.md`` (parameter names, capacity and window formulas, the step protocol, metric
 names and their aggregation); "§N" cites its section N.
 
-Layout: ``pipeline/`` (the scheduler and the step protocol; no Lightning, HTTP or model imports),
-``rollout/`` (the embedded engine, its server and client), ``algorithms/`` (losses and off-policy
-corrections), ``data/`` (tasks), ``lightning/`` (the callback, module contract, strategy, Fabric
-loop), ``components.py`` (the loader of ``package.module:Name`` config entries), ``config.py``
-(the typed config and the one parser), ``simulate.py`` (the live controller on a virtual clock).
+Layout (no import cycle between these packages; ``tests/test_layering.py`` checks it):
+``errors`` and ``registry`` (leaves), ``config/`` (schema, load, validate), ``pipeline/`` (the
+scheduler and the step protocol; no Lightning, HTTP or model imports), ``weights/`` (trainer →
+engine transport), ``fleet/`` (what drives the engines), ``engine/`` (the embedded engine, its own
+process), ``runtime/`` (what both drivers share: the composition root, the followers' table),
+``lightning/`` (Lightning and Fabric drivers), ``trainers/`` (FSDP2, Megatron), ``export/``,
+``algorithms/``, ``data/``, ``agents/``. ``registry`` names what varies: windows, engine backends,
+weight-sync paths, trainer backends.
 """

@@ -85,11 +85,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"lightning-fasync simulate: error: {exc}", file=sys.stderr)
                 return 2
         if command == "export":
-            from lightning_fasync.lightning.export import main as export_main
+            from lightning_fasync.export.hf import main as export_main
 
             return export_main(rest)
         if command == "serve":
-            from lightning_fasync.rollout.server import main as serve_main
+            from lightning_fasync.engine.server import main as serve_main
 
             return serve_main(rest)
         from lightning_fasync.lightning.cli import main as fit_main

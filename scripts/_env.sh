@@ -1,7 +1,7 @@
 # Sourced by scripts/main and scripts/test: make .venv and install the project into it.
 # LFA_TORCH picks the torch install: pip arguments, "torch==2.13.0" by default (the CPU build where
 # pip is set up to prefer CPU wheels; anywhere else add the CPU --index-url from PyTorch's install
-# selector, README "CPU build"), or "skip" when the venv already holds the CUDA build you installed
+# selector, docs/install.md "CPU build"), or "skip" when the venv already holds the CUDA build you installed
 # yourself.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -10,7 +10,7 @@ def pytest_configure(config) -> None:
     cores (``scripts/test`` runs 2 workers: one core each on a 2-core machine).
 
     A run started by a test splits the cores it sees between its trainer and engines
-    (``lightning/resources.py``). Were both workers to see every core, two concurrent runs would
+    (``lightning_fasync/fleet/resources.py``). Were both workers to see every core, two concurrent runs would
     put both trainers on one core and both engines on the other, and a torch op on two threads
     would wait for a thread the other worker's processes had preempted: on 2 cores the slow pass
     kept them 70-80 % busy that way and took 650-800 s; pinned, 85-90 % and ~540 s. A test that pins
@@ -28,5 +28,5 @@ def pytest_configure(config) -> None:
     if len(cores) < workers:
         return  # fewer cores than workers: sharing is unavoidable
     per = len(cores) // workers
-    index = int(worker[2:])
+    index = int(worker[2:]) % workers  # a worker replacing a crashed one gets the next number
     os.sched_setaffinity(0, set(cores[index * per : (index + 1) * per]))

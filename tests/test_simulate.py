@@ -11,8 +11,8 @@ from lightning_fasync.cli import main
 from lightning_fasync.config import load_config_file
 from lightning_fasync.pipeline.events import EVENTS, read_jsonl
 from lightning_fasync.simulate import SimConfig, Simulation, Variant, run_variants
+from tests.helpers.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAPO = os.path.join(REPO, "configs", "sim", "dapo_h20.yaml")
 
 

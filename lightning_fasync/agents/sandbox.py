@@ -42,6 +42,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from lightning_fasync.config.schema import SandboxLimits  # noqa: F401 - agentflow.sandbox.*; re-exported
+
 __all__ = ["Sandbox", "SandboxError", "SandboxLimits", "SandboxResult"]
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
@@ -62,25 +64,6 @@ _KILL_WAIT_S = 5.0  # a SIGKILLed process group is reaped within this long
 
 class SandboxError(RuntimeError):
     """The sandbox itself failed (its interpreter did not start), not the code it ran."""
-
-
-@dataclass
-class SandboxLimits:
-    """``agentflow.sandbox.*``: limits of one sandboxed tool run (the ``python`` tool)."""
-
-    cpu_s: float = 5.0
-    """CPU seconds per run (RLIMIT_CPU); past it the run ends with "error: time limit exceeded"."""
-    wall_s: float = 10.0
-    """Wall-clock seconds per run, interpreter start included; past it the process group is killed
-    ("error: time limit exceeded")."""
-    memory_mb: int = 256
-    """Address space per run in MiB (RLIMIT_AS); past it "error: memory limit exceeded"."""
-    file_mb: int = 16
-    """Largest file a run may write in its working directory, in MiB (RLIMIT_FSIZE)."""
-    max_output: int = 1024
-    """Bytes of stdout + stderr kept; a run that prints more is stopped ("error: output limit exceeded")."""
-    max_concurrent: int = 4
-    """Sandboxes running at once (across all episodes); further tool calls wait for a free one."""
 
 
 @dataclass

@@ -34,12 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from lightning_fasync.agents.sandbox import Sandbox
+from lightning_fasync.config.schema import TOOLS
 
 __all__ = ["TOOLS", "ToolCall", "ToolResult", "ToolBox", "calculate", "format_tool_call", "has_tool_call",
            "parse_tool_calls", "tool_schemas"]
 
-TOOLS = ("calculator", "python")
-"""The built-in tool names (``agentflow.tools``)."""
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _OPEN = "<tool_call>"

@@ -22,7 +22,7 @@ from lightning_fasync.algorithms.losses import (
     ppo_clip_token_loss,
 )
 from lightning_fasync.algorithms.metrics import METRIC_KEYS, clip_grad_norm, grad_norm_metric, total_grad_norm
-from lightning_fasync.algorithms.policy_loss import LOSS_METRIC_KEYS, REF_METRIC_KEYS, compute_policy_loss, policy_loss
+from lightning_fasync.algorithms.policy_loss import LOSS_METRIC_KEYS, REF_METRIC_KEYS, policy_loss
 from lightning_fasync.algorithms.snapshot import OldActorSnapshot
 from lightning_fasync.algorithms.staleness import (
     LAG_BUCKETS,
@@ -46,7 +46,6 @@ __all__ = [
     "approx_kl_k3",
     "clip_grad_norm",
     "compute_advantages",
-    "compute_policy_loss",
     "grad_norm_metric",
     "grpo_advantages",
     "is_correction_weights",

@@ -33,7 +33,7 @@ def grpo_advantages(
 
     * A non-finite reward (NaN or +-inf, e.g. a crashed reward function) is excluded from its
       group's mean and std, gets advantage 0 and is flagged in the returned ``nan_mask``; pass that
-      mask to :func:`~lightning_fasync.algorithms.losses.compute_policy_loss` (``nan_mask=``) so
+      mask to :func:`~lightning_fasync.algorithms.policy_loss.policy_loss` (``nan_mask=``) so
       the sample is dropped from the loss and counted in ``train/nan_ratio``.
     * The std is the unbiased (Bessel-corrected) sample std over the group's finite rewards, as
       ``torch.std`` in the reference implementations. A group with fewer than two finite rewards

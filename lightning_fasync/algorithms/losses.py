@@ -1,6 +1,6 @@
 """Per-token loss primitives: PPO clip (clip-higher, dual clip), k3 KL, and loss aggregation.
 
-These are the building blocks of :func:`lightning_fasync.algorithms.policy_loss.compute_policy_loss`;
+These are the building blocks of :func:`lightning_fasync.algorithms.policy_loss.policy_loss`;
 each works on ``[batch, T]`` padded tensors and is usable on its own.
 """
 

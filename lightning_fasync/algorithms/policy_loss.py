@@ -1,7 +1,7 @@
 """The policy loss: sanitise inputs, apply the off-policy corrections, clip, aggregate, report.
 
-:func:`policy_loss` takes every knob as a keyword argument; :func:`compute_policy_loss` reads
-them from an :class:`~lightning_fasync.config.AlgorithmConfig` (``algorithm.*``).
+:func:`policy_loss` reads every knob from an :class:`~lightning_fasync.config.AlgorithmConfig`
+(``algorithm.*``), the config object itself.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lightning_fasync.algorithms.losses import (
 )
 from lightning_fasync.config import AlgorithmConfig
 
-__all__ = ["LOSS_METRIC_KEYS", "REF_METRIC_KEYS", "policy_loss", "compute_policy_loss"]
+__all__ = ["LOSS_METRIC_KEYS", "REF_METRIC_KEYS", "policy_loss"]
 
 LOSS_METRIC_KEYS = (
     "train/loss",
@@ -67,26 +67,11 @@ def policy_loss(
     rollout_log_probs: Optional[torch.Tensor],
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
+    cfg: Optional[AlgorithmConfig] = None,
     *,
     entropy: Optional[torch.Tensor] = None,
     ref_log_probs: Optional[torch.Tensor] = None,
     nan_mask: Optional[torch.Tensor] = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    dual_clip: Optional[float] = 3.0,
-    loss_agg_mode: str = "token-mean",
-    entropy_coef: float = 0.0,
-    kl_coef: float = 0.0,
-    is_enable: bool = False,
-    is_level: str = "token",
-    is_mode: str = "truncate",
-    is_c: float = 2.0,
-    is_c_low: float = 0.5,
-    is_c_high: float = 2.0,
-    m2po_enable: bool = False,
-    m2po_tau: float = 0.04,
-    opsm_enable: bool = False,
-    opsm_delta: float = 1e-4,
     normalizer: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped policy-gradient loss with IS correction, M2PO, OPSM, entropy and KL terms.
@@ -121,15 +106,13 @@ def policy_loss(
         response_mask: ``[B, T]`` trained response tokens (bool / int / float).
         entropy: ``[B, T]`` per-token entropy of the current policy (differentiable), or None.
         ref_log_probs: ``[B, T]`` reference-policy log-probs, or None.
+        cfg: ``algorithm.*`` (an :class:`~lightning_fasync.config.AlgorithmConfig`): PPO
+            clipping (``clip_low``, ``clip_high``, ``dual_clip``), ``loss_agg_mode`` (one of
+            :data:`~lightning_fasync.algorithms.losses.LOSS_AGG_MODES`), ``entropy_coef``
+            (non-zero needs ``entropy``), ``kl_coef`` (non-zero needs ``ref_log_probs``),
+            ``is_correction.*``, ``m2po.*``, ``opsm.*``. None: the defaults (token-mean, clip
+            0.2/0.28, dual clip 3.0, no entropy or KL term, the corrections off).
         nan_mask: ``[B]`` bool, True for samples whose reward was non-finite.
-        clip_low, clip_high, dual_clip: PPO clipping (``algorithm.clip_low`` 0.2,
-            ``clip_high`` 0.28, ``dual_clip`` 3.0).
-        loss_agg_mode: One of :data:`~lightning_fasync.algorithms.losses.LOSS_AGG_MODES`.
-        entropy_coef: Entropy bonus coefficient; non-zero needs ``entropy``.
-        kl_coef: KL penalty coefficient; non-zero needs ``ref_log_probs``.
-        is_enable, is_level, is_mode, is_c, is_c_low, is_c_high: ``algorithm.is_correction.*``.
-        m2po_enable, m2po_tau: ``algorithm.m2po.*``.
-        opsm_enable, opsm_delta: ``algorithm.opsm.*``.
         normalizer: the aggregation's denominator from a count (see
             :func:`~lightning_fasync.algorithms.losses.aggregate_loss`); data-parallel training
             passes :func:`~lightning_fasync.algorithms.losses.data_parallel_normalizer`.
@@ -146,6 +129,10 @@ def policy_loss(
     Raises:
         ValueError: on a shape mismatch, an unknown mode, or a coefficient whose input is missing.
     """
+    cfg = cfg if cfg is not None else AlgorithmConfig()
+    clip_low, clip_high, dual_clip = cfg.clip_low, cfg.clip_high, cfg.dual_clip
+    loss_agg_mode, entropy_coef, kl_coef = cfg.loss_agg_mode, cfg.entropy_coef, cfg.kl_coef
+    isc, m2po, opsm = cfg.is_correction, cfg.m2po, cfg.opsm
     if log_probs.dim() != 2:
         raise ValueError(f"`log_probs` has shape {tuple(log_probs.shape)}; it must be 2-D [batch, T].")
     shape = log_probs.shape
@@ -163,7 +150,7 @@ def policy_loss(
         raise ValueError(f"`entropy` is None while `entropy_coef` is {entropy_coef}; pass the per-token entropy.")
     if kl_coef != 0 and ref_log_probs is None:
         raise ValueError(f"`ref_log_probs` is None while `kl_coef` is {kl_coef}; pass the reference log-probs.")
-    if (is_enable or m2po_enable) and rollout_log_probs is None:
+    if (isc.enable or m2po.enable) and rollout_log_probs is None:
         raise ValueError("`rollout_log_probs` is None while IS correction or M2PO is enabled; both need them.")
     if nan_mask is not None and nan_mask.shape != shape[:1]:
         raise ValueError(f"`nan_mask` has shape {tuple(nan_mask.shape)}; it must be [{shape[0]}].")
@@ -200,9 +187,9 @@ def policy_loss(
     keep = mask
     # Metrics stay 0-dim tensors until the end: one device sync for all of them.
     metrics: dict[str, torch.Tensor] = {}
-    if is_enable:
+    if isc.enable:
         weights, is_metrics = _is_correction_weights(
-            old, rollout, mask, level=is_level, mode=is_mode, c=is_c, c_low=is_c_low, c_high=is_c_high
+            old, rollout, mask, level=isc.level, mode=isc.mode, c=isc.c, c_low=isc.c_low, c_high=isc.c_high
         )
         metrics.update(is_metrics)
     elif rollout is not None:
@@ -214,15 +201,15 @@ def policy_loss(
         metrics.update({"train/is_mean": one, "train/is_max": one, "train/is_clip_ratio": 0.0 * one})
 
     m2po_dropped = torch.zeros_like(mask)
-    if m2po_enable:
-        m2po_keep = m2po_mask(old, rollout, mask, tau=m2po_tau)
+    if m2po.enable:
+        m2po_keep = m2po_mask(old, rollout, mask, tau=m2po.tau)
         m2po_dropped = mask & ~m2po_keep
         keep = keep & m2po_keep
     metrics["train/m2po_mask_ratio"] = _fraction(m2po_dropped, mask)
 
-    if opsm_enable:
+    if opsm.enable:
         behaviour = rollout if rollout is not None else old
-        opsm_keep = opsm_mask(behaviour, lp.detach(), adv, mask, delta=opsm_delta)
+        opsm_keep = opsm_mask(behaviour, lp.detach(), adv, mask, delta=opsm.delta)
         opsm_seq = (mask & ~opsm_keep).any(dim=-1)
         keep = keep & opsm_keep
         metrics["train/opsm_mask_ratio"] = _fraction(opsm_seq, ~empty)
@@ -268,52 +255,3 @@ def policy_loss(
     )
     values = torch.stack([metrics[k].to(device=device, dtype=torch.float64) for k in keys]).tolist()
     return loss, dict(zip(keys, values))
-
-
-def compute_policy_loss(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    rollout_log_probs: Optional[torch.Tensor],
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    cfg: Optional[AlgorithmConfig] = None,
-    *,
-    entropy: Optional[torch.Tensor] = None,
-    ref_log_probs: Optional[torch.Tensor] = None,
-    nan_mask: Optional[torch.Tensor] = None,
-    normalizer: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """:func:`policy_loss` configured from ``algorithm.*`` (an :class:`AlgorithmConfig`).
-
-    ``cfg=None`` uses the defaults: token-mean, clip 0.2/0.28, dual clip 3.0, no entropy/KL
-    term, IS correction, M2PO and OPSM off. Returns ``(loss, metrics)`` as :func:`policy_loss`.
-    """
-    cfg = cfg if cfg is not None else AlgorithmConfig()
-    isc, m2po, opsm = cfg.is_correction, cfg.m2po, cfg.opsm
-    return policy_loss(
-        log_probs,
-        old_log_probs,
-        rollout_log_probs,
-        advantages,
-        response_mask,
-        entropy=entropy,
-        ref_log_probs=ref_log_probs,
-        nan_mask=nan_mask,
-        normalizer=normalizer,
-        clip_low=cfg.clip_low,
-        clip_high=cfg.clip_high,
-        dual_clip=cfg.dual_clip,
-        loss_agg_mode=cfg.loss_agg_mode,
-        entropy_coef=cfg.entropy_coef,
-        kl_coef=cfg.kl_coef,
-        is_enable=isc.enable,
-        is_level=isc.level,
-        is_mode=isc.mode,
-        is_c=isc.c,
-        is_c_low=isc.c_low,
-        is_c_high=isc.c_high,
-        m2po_enable=m2po.enable,
-        m2po_tau=m2po.tau,
-        opsm_enable=opsm.enable,
-        opsm_delta=opsm.delta,
-    )

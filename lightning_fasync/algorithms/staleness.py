@@ -31,7 +31,7 @@ VERSION_LAG_KEYS = (
     "train/version_lag_max",
     "train/version_lag_min",
     "train/version_lag_seq_mean",
-    *(f"train/lag{b}/{name}" for b in LAG_BUCKETS for name in _PER_LAG),
+    *(f"train/lag_{b}/{name}" for b in LAG_BUCKETS for name in _PER_LAG),
 )
 """Every key :func:`version_lag_metrics` returns, always all of them. Per-lag ``is_*``, ``m2`` and
 ``clip_ratio`` are NaN for a bucket with no tokens (or when their inputs are not given): the step
@@ -81,14 +81,14 @@ def version_lag_metrics(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
 ) -> dict[str, float]:
-    """The ``train/version_lag_*`` and ``train/lag{0,1,2,ge3}/*`` metrics of one training batch.
+    """The ``train/version_lag_*`` and ``train/lag_{0,1,2,ge3}/*`` metrics of one training batch.
 
     * ``train/version_lag_{mean,max,min}``: over the tokens of ``response_mask`` (the aggregation
       rule by name takes the step's max of ``_max`` and min of ``_min``).
     * ``train/version_lag_seq_mean``: mean over trajectories with a masked token of
       ``current_version - min(version)``, the lag of their oldest token (the ledger's
       ``step - start_version``).
-    * ``train/lag{b}/token_frac``: share of the masked tokens in bucket ``b`` (sums to 1).
+    * ``train/lag_{b}/token_frac``: share of the masked tokens in bucket ``b`` (sums to 1).
     * With ``old_log_probs`` and ``rollout_log_probs``, per bucket, of ``rho = exp(old - rollout)``
       (``pi_old / mu``, the decoupled-PPO behaviour weight before truncation): ``is_mean``,
       ``is_max``, ``is_trunc_ratio`` (share with ``rho > is_c``, what TIS truncates) and ``m2``
@@ -151,7 +151,7 @@ def version_lag_metrics(
             k = sel.sum()
             any_ = k > 0
             denom = k.clamp(min=1).to(f64)
-            pre = f"train/lag{name}/"
+            pre = f"train/lag_{name}/"
 
             def share(flags: torch.Tensor) -> torch.Tensor:
                 return torch.where(any_, (sel & flags).sum().to(f64) / denom, nan)  # noqa: B023

@@ -13,7 +13,7 @@ Hooks, in the order Lightning calls them:
   metrics, checkpoint on ``save_freq``, weight sync, evaluation on ``eval.*``, resume) and log the
   step's metrics (``val/*`` included) once, at step = rollout step.
 - ``on_save_checkpoint`` / ``on_load_checkpoint``: record the run's identity; refuse a resume that
-  would break exactly-once accounting (:mod:`~lightning_fasync.lightning.checkpoints`).
+  would break exactly-once accounting (:mod:`~lightning_fasync.runtime.checkpoints`).
 - ``on_exception`` / ``teardown``: stop threads and engines, idempotently.
 
 The callback is the run's checkpoint callback: a ``ModelCheckpoint`` (so the Trainer adds no
@@ -22,7 +22,7 @@ default one of its own) whose checkpoints follow ``trainer.save_freq``, and thro
 Trainer's root directory.
 
 SIGTERM or SIGINT during ``fit`` finishes the step, saves a checkpoint and exits with status
-128 + signal (:mod:`~lightning_fasync.lightning.preemption`).
+128 + signal (:mod:`~lightning_fasync.runtime.preemption`).
 
 The module must implement :class:`~lightning_fasync.lightning.hooks.FullyAsyncHooks`.
 """
@@ -39,18 +39,19 @@ from typing_extensions import override
 
 from lightning_fasync.config import ConfigError, FasyncConfig, colocate_offload_enabled, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
-from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_hparams, check_resume, find_last, run_identity, save_hf
+from lightning_fasync.lightning.progress import RolloutProgressBar
+from lightning_fasync.runtime.follower import DriverHooks, Follower
+from lightning_fasync.runtime.checkpoints import CheckpointFiles, check_hparams, check_resume, find_last, run_identity, save_hf
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
-from lightning_fasync.lightning.preemption import Preemption
-from lightning_fasync.lightning.ranks import check_minibatch_share, data_parallel, dp_share, reduce_metrics
-from lightning_fasync.lightning.resources import pin_trainer, plan_cpu_resources, trainer_share
-from lightning_fasync.lightning.runtime import RolloutRuntime
+from lightning_fasync.runtime.preemption import Preemption
+from lightning_fasync.runtime.ranks import check_minibatch_share, data_parallel, dp_share, reduce_metrics
+from lightning_fasync.fleet.resources import pin_trainer, plan_cpu_resources, trainer_share
+from lightning_fasync.runtime.rollout_runtime import RolloutRuntime
 from lightning_fasync.pipeline.controller import FullyAsyncController, StepSchedule
 from lightning_fasync.pipeline.datasource import DataSource
 from lightning_fasync.pipeline.engine_client import EngineClient
 from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
 from lightning_fasync.pipeline.state import PipelineError
-from lightning_fasync.rollout.tensor_stream import TensorStream
 
 #: How a run of a plain ``Trainer.fit`` resumes (the CLI and the Fabric loop say it their way).
 TRAINER_RESUME = '`trainer.fit(..., ckpt_path="last")`'
@@ -105,7 +106,7 @@ def _module_logged(trainer: Any) -> bool:
                for m in results.values())
 
 
-class FullyAsyncCallback(ModelCheckpoint):
+class FullyAsyncCallback(DriverHooks, ModelCheckpoint):
     """Fully-async rollout for any LightningModule that implements ``FullyAsyncHooks`` and trains
     on :class:`RolloutBatch` tickets.
 
@@ -131,7 +132,7 @@ class FullyAsyncCallback(ModelCheckpoint):
             ``rollout.engine_startup_timeout``.
         admin_timeout: seconds a weight sync may take.
         datasource, reward, flow, client: rollout-side objects to use instead of the config's
-            (see :class:`~lightning_fasync.lightning.runtime.RolloutRuntime`).
+            (see :class:`~lightning_fasync.runtime.rollout_runtime.RolloutRuntime`).
     """
 
     def __init__(
@@ -166,6 +167,7 @@ class FullyAsyncCallback(ModelCheckpoint):
         self._files: Optional[CheckpointFiles] = None
         self.preemption = Preemption(self.cfg.trainer.preempt_grace_s, resume_hint=lambda path: self.resume_hint)
         self._offload = False  # colocate_offload, resolved for the trainer's device in setup
+        self._follower = Follower(self, False)  # the other ranks' half of the step (runtime/follower.py)
         self._closed = False
         self.resume_hint = TRAINER_RESUME
         """How the run's resume is spelled in its messages (the CLI sets ``--ckpt_path last``)."""
@@ -210,6 +212,7 @@ class FullyAsyncCallback(ModelCheckpoint):
         if self._world > 1:
             self._dp_rank, self._dp_size, self._dp_group = data_parallel(trainer.strategy)
         self._offload = colocate_offload_enabled(cfg, trainer.strategy.root_device.type)
+        self._follower = Follower(self, self._offload)
         check_minibatch_share(cfg, self._dp_size)
         if self._world > 1:
             plan = trainer_share(plan, trainer.local_rank, trainer.strategy.num_processes)
@@ -277,9 +280,8 @@ class FullyAsyncCallback(ModelCheckpoint):
             ctl.start(self)
             step = ctl.rollout_step
         else:
-            if self._offload:  # rank 0's controller does it in start()
-                self._require_hooks().offload_train(trainer.optimizers)
-            self._follow_sync()
+            self._follower.replay("first_sync")
+            self._follower.replay("start")
         self._step = self._broadcast(trainer, step)
         self._require_hooks().begin_rollout_step(self._step)
 
@@ -295,8 +297,8 @@ class FullyAsyncCallback(ModelCheckpoint):
         ctl, hooks = self.controller, self._require_hooks()
         self._check_preemption()
         groups = ctl.fetch(self) if ctl is not None else None
-        if ctl is None and self._offload and self.schedule.calls == 0:  # rank 0's controller does it in fetch()
-            hooks.onload_train(trainer.optimizers)
+        if ctl is None:
+            self._follower.replay("batch")
         if self._world > 1:
             # Rank 0 fetched on its main thread; every data-parallel rank trains on its share of
             # the mini-batch (tensor-parallel peers on the same share).
@@ -340,13 +342,13 @@ class FullyAsyncCallback(ModelCheckpoint):
             shown = {short: step_metrics[key] for key, short in PROGRESS_KEYS.items() if key in step_metrics}
             if shown:
                 pl_module.log_dict(shown, prog_bar=True, logger=False, on_step=True, on_epoch=False)
+            for bar in trainer.callbacks:
+                if isinstance(bar, RolloutProgressBar):
+                    bar.show_rollout_step(trainer, pl_module)
         else:
             if self.schedule.save_due(self._step):
-                # The other ranks take part in the checkpoint's collectives in rank 0's order.
-                self.save_checkpoint(self._step)
-            if self._offload:  # after the checkpoint, as rank 0's controller in step_boundary
-                self._require_hooks().offload_train(trainer.optimizers)
-            self._follow_sync()  # rank 0's controller syncs at every boundary
+                self._follower.replay("save", save=lambda: self.save_checkpoint(self._step))
+            self._follower.replay("sync")  # rank 0's controller syncs at every boundary
         if preempted:
             raise self.preemption.stop(self._files.path(self._step) if self._files is not None else None)
         if lost:
@@ -376,44 +378,14 @@ class FullyAsyncCallback(ModelCheckpoint):
         if self._rank == 0:
             self.preemption.check(self._files.last if self._files is not None else (lambda: None))
 
-    def sync_weights(self, version: int) -> None:
-        runtime = self.runtime
-        assert runtime is not None
-        weights = self._require_hooks().engine_state_dict()
-        try:
-            runtime.sync_weights(weights, version)
-        finally:
-            if isinstance(weights, TensorStream):  # what a failed push left: the other ranks gather it too
-                weights.drain()
+    # ------------------------------------------------------------------ DriverHooks
 
-    def _follow_sync(self) -> None:
-        """A rank other than 0 at rank 0's weight sync: a sharded module's stream is gathered by
-        every rank, so this rank takes its part and drops the tensors."""
-        weights = self._require_hooks().engine_state_dict()
-        if isinstance(weights, TensorStream):
-            weights.drain()
+    def _driver_hooks(self) -> FullyAsyncHooks:
+        return self._require_hooks()
 
-    # ------------------------------------------------------------------ ColocateHooks (colocate_offload)
-
-    def offload_rollout(self) -> None:
-        assert self.runtime is not None
-        self.runtime.offload_rollout()
-
-    def onload_train(self) -> None:
+    def _driver_optimizers(self) -> list[Any]:
         assert self._trainer is not None
-        self._require_hooks().onload_train(self._trainer.optimizers)
-
-    def offload_train(self) -> None:
-        assert self._trainer is not None
-        self._require_hooks().offload_train(self._trainer.optimizers)
-
-    def onload_rollout_weights(self) -> None:
-        assert self.runtime is not None
-        self.runtime.onload_rollout_weights()
-
-    def onload_rollout_kv(self) -> None:
-        assert self.runtime is not None
-        self.runtime.onload_rollout_kv()
+        return list(self._trainer.optimizers)
 
     # ------------------------------------------------------------------ shutdown
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from argparse import ArgumentError
 from typing import Any, Optional, Sequence
 
@@ -24,12 +25,12 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_fasync.config import (ConfigError, FasyncConfig, TrainerConfig, _config_error_sentence, add_config_arguments,
                                      config_from_namespace, validate)
+from lightning_fasync.registry import TRAINERS, load_path, trainer_backend_named
 from lightning_fasync.lightning.callback import FullyAsyncCallback
-from lightning_fasync.lightning.checkpoints import find_last
+from lightning_fasync.runtime.checkpoints import find_last
 from lightning_fasync.lightning.module import RLPolicyModule
 from lightning_fasync.lightning.progress import RolloutProgressBar
 from lightning_fasync.lightning.strategy import FullyAsyncStrategy
-from lightning_fasync.megatron.strategy import MegatronStrategy  # noqa: F401 - --trainer.strategy=MegatronStrategy
 
 # Spec keys under `trainer.` that Lightning's Trainer does not take (`num_nodes` means the same in both).
 RL_TRAINER_KEYS = [k for k in TrainerConfig.__dataclass_fields__ if k != "num_nodes"]
@@ -49,6 +50,7 @@ class FasyncCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         given = kwargs.get("args")
         self._argv = [str(a) for a in (given if isinstance(given, (list, tuple)) else sys.argv[1:])]
+        register_trainer_backends()  # --trainer.strategy=MegatronStrategy resolves
         super().__init__(*args, **kwargs)
 
     def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 - jsonargparse parser
@@ -99,12 +101,9 @@ class FasyncCLI(LightningCLI):
             )
         for key in RL_TRAINER_KEYS:
             del trainer_ns[key]
-        if self.model_class.__name__ == "MegatronPolicyModule" and trainer_ns.get("gradient_clip_val") is not None:
-            raise ConfigError(
-                f"`trainer.gradient_clip_val` is {trainer_ns['gradient_clip_val']} under MegatronStrategy, whose optimizer "
-                f"is megatron-core's: set `model.grad_clip: {trainer_ns['gradient_clip_val']}` and "
-                "`trainer.gradient_clip_val: null` (Lightning clips only under automatic optimisation)."
-            )
+        backend = trainer_backend_named(_strategy_named(self._argv))
+        if backend is not None and backend.check_cli is not None:
+            backend.check_cli(trainer_ns)
 
     def instantiate_trainer(self, **kwargs: Any):
         init = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -235,20 +234,26 @@ def run_summary(log_dir: str, rollout_steps: Optional[int] = None, calls: Option
     return "\n".join(lines)
 
 
-MEGATRON_STRATEGY_NAMES = ("MegatronStrategy", "lightning_fasync.megatron.MegatronStrategy",
-                           "lightning_fasync.megatron.strategy.MegatronStrategy", "megatron")
+def register_trainer_backends() -> None:
+    """Make every registered trainer backend's strategy nameable on the command line (its class
+    imported for jsonargparse, its Lightning registry entries made)."""
+    for backend in TRAINERS.entries():
+        if backend.strategy_class is not None:
+            load_path(backend.strategy_class)
+        if backend.register is not None:
+            backend.register()
 
 
-def _strategy_named(args: Sequence[str]) -> Optional[str]:
-    """The ``trainer.strategy`` the command line (or, failing that, its ``--config`` files, the last
-    one that sets it) names, as a class name or path; None when neither does."""
+def _named(args: Sequence[str], keys: Sequence[str], path: Sequence[str]) -> Any:
+    """What the command line (``--KEY VALUE`` or ``--KEY=VALUE`` for a key of ``keys``) or, failing
+    that, its ``--config`` files (the last one that sets ``path``) give, unparsed; None when neither does."""
     import yaml
 
-    named: Optional[str] = None
+    named: Any = None
     configs: list[str] = []
     for i, arg in enumerate(args):
         value = args[i + 1] if i + 1 < len(args) else None
-        for key in ("--trainer.strategy", "--trainer.strategy.class_path"):
+        for key in keys:
             if arg == key and value is not None:
                 named = value
             elif arg.startswith(key + "="):
@@ -259,35 +264,73 @@ def _strategy_named(args: Sequence[str]) -> Optional[str]:
             configs.append(arg.split("=", 1)[1])
     if named is not None:
         return named
-    for path in configs:
+    for config in configs:
         try:
-            with open(path) as f:
-                strategy = ((yaml.safe_load(f) or {}).get("trainer") or {}).get("strategy")
-        except (OSError, yaml.YAMLError, AttributeError):
+            with open(config) as f:
+                node: Any = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError):
             continue  # the CLI's own parser reports it
-        if isinstance(strategy, dict):
-            strategy = strategy.get("class_path")
-        if isinstance(strategy, str):
-            named = strategy
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            named = node
     return named
 
 
-def policy_class(args: Sequence[str]) -> type:
-    """The policy module the CLI builds from ``model.*``: :class:`RLPolicyModule`, or under
-    ``MegatronStrategy`` its megatron-core counterpart
-    :class:`~lightning_fasync.megatron.MegatronPolicyModule` (the same keys, plus
-    ``micro_batch_size`` and ``grad_clip``)."""
-    if _strategy_named(args) in MEGATRON_STRATEGY_NAMES:
-        from lightning_fasync.megatron.module import MegatronPolicyModule
+def _strategy_named(args: Sequence[str]) -> Optional[str]:
+    """The ``trainer.strategy`` the command line (or, failing that, its ``--config`` files, the last
+    one that sets it) names, as a class name or path; None when neither does."""
+    strategy = _named(args, ("--trainer.strategy", "--trainer.strategy.class_path"), ("trainer", "strategy"))
+    if isinstance(strategy, dict):
+        strategy = strategy.get("class_path")
+    return strategy if isinstance(strategy, str) else None
 
-        return MegatronPolicyModule
+
+def import_plugins_named(args: Sequence[str]) -> None:
+    """Import the ``fully_async.plugins`` the arguments name, before anything is parsed: a plugin
+    may register a trainer backend whose strategy the command line names.
+
+    Raises:
+        ConfigError: a plugin that cannot be imported.
+    """
+    import importlib
+
+    import yaml
+
+    plugins = _named(args, ("--fully_async.plugins",), ("fully_async", "plugins"))
+    if isinstance(plugins, str):
+        try:
+            plugins = yaml.safe_load(plugins)
+        except yaml.YAMLError:
+            return  # the CLI's own parser reports it
+        plugins = [plugins] if isinstance(plugins, str) else plugins
+    for module in plugins if isinstance(plugins, list) else ():
+        try:
+            importlib.import_module(str(module))
+        except ImportError as exc:
+            raise ConfigError(
+                f"`fully_async.plugins` lists {module!r}, which cannot be imported ({exc}); "
+                "each entry must be an importable Python module."
+            ) from exc
+
+
+def policy_class(args: Sequence[str]) -> type:
+    """The policy module the CLI builds from ``model.*``: :class:`RLPolicyModule`, or the
+    ``module_class`` of the trainer backend whose strategy the arguments name (under
+    ``MegatronStrategy``: :class:`~lightning_fasync.trainers.megatron.MegatronPolicyModule`, the
+    same keys plus ``micro_batch_size`` and ``grad_clip``)."""
+    backend = trainer_backend_named(_strategy_named(args))
+    if backend is not None and backend.module_class is not None:
+        return load_path(backend.module_class)
     return RLPolicyModule
 
 
 #: How ``lightning-fasync fit`` builds its LightningCLI. The parsers refuse abbreviated options and
 #: raise instead of exiting on an error, which the CLI turns into one sentence.
 CLI_KWARGS: dict[str, Any] = dict(
-    trainer_defaults={"strategy": lazy_instance(FullyAsyncStrategy), "max_epochs": -1, "log_every_n_steps": 1},
+    # No model summary: its FLOPs column reads 0 for a policy trained on rollouts; the start-up line says what runs.
+    trainer_defaults={"strategy": lazy_instance(FullyAsyncStrategy), "max_epochs": -1, "log_every_n_steps": 1,
+                      "enable_model_summary": False},
     save_config_kwargs={"overwrite": True},
     parser_kwargs={"fit": {"default_env": False, "allow_abbrev": False, "exit_on_error": False},
                    "allow_abbrev": False, "exit_on_error": False, "default_env": False},
@@ -310,8 +353,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     quiet = _LightningChatter()
     rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     rank_zero_log.addFilter(quiet)
+    # Lightning's own use of a torch.utils._pytree name that torch deprecates: nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     try:
-        cli = FasyncCLI(policy_class(sys.argv[1:] if args is None else args), args=args, **CLI_KWARGS)
+        given = sys.argv[1:] if args is None else args
+        import_plugins_named(given)
+        cli = FasyncCLI(policy_class(given), args=args, **CLI_KWARGS)
     except ConfigError as exc:
         print(f"lightning-fasync fit: error: {exc}", file=sys.stderr)
         return 2

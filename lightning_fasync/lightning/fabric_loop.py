@@ -12,8 +12,8 @@ contract of the module, and runs :meth:`FullyAsyncController.run_step` (fetch â†
 Fabric also calls hooks on a LightningModule it set up, whose ``on_train_*`` take other arguments.)
 
 Checkpoints are written atomically with retention and a ``last.ckpt`` link, and carry the run's
-identity (:mod:`~lightning_fasync.lightning.checkpoints`); SIGTERM or SIGINT finishes the step,
-saves a checkpoint and exits with status 128 + signal (:mod:`~lightning_fasync.lightning.preemption`).
+identity (:mod:`~lightning_fasync.runtime.checkpoints`); SIGTERM or SIGINT finishes the step,
+saves a checkpoint and exits with status 128 + signal (:mod:`~lightning_fasync.runtime.preemption`).
 
 Several processes (Fabric's DDP, or ``ModelParallelStrategy`` for FSDP2 and tensor parallel): only
 global rank 0 builds the rollout side and runs :meth:`FullyAsyncController.run_step`. From inside
@@ -24,13 +24,13 @@ that order, so every collective matches by construction:
 - ``batch``: the call's groups. Every data-parallel rank trains on its share
   (``groups[dp_rank::dp_size]``; tensor-parallel peers on the same share) with ``fabric.backward``
   and the optimizer step, and the call's metrics are all-reduced over the data-parallel group by the
-  spec's naming rule (:mod:`~lightning_fasync.lightning.ranks`). At the step's last call the ranks
+  spec's naming rule (:mod:`~lightning_fasync.runtime.ranks`). At the step's last call the ranks
   also agree whether any of them got SIGTERM or SIGINT, so a signal to any rank makes that
   boundary save and end the run.
 - ``save``: rank 0's boundary saves. The message carries the pipeline state, so every rank gives
   ``fabric.save`` the same state (each writes its part of a distributed checkpoint).
 - ``sync``: every rank calls ``engine_state_dict()``; a sharded module's stream
-  (:class:`~lightning_fasync.rollout.tensor_stream.TensorStream`) is pushed by rank 0 and drained
+  (:class:`~lightning_fasync.weights.tensor_stream.TensorStream`) is pushed by rank 0 and drained
   by the others, tensor by tensor.
 - ``start``, ``step``, ``step_end``, ``end``: the Fabric callbacks fire on every rank (metrics are
   logged by rank 0).
@@ -57,17 +57,17 @@ import torch
 
 from lightning_fasync.config import ConfigError, FasyncConfig, colocate_offload_enabled, load_config, validate
 from lightning_fasync.lightning.batch import RolloutBatch
-from lightning_fasync.lightning.checkpoints import CheckpointFiles, check_resume, run_identity, save_hf
+from lightning_fasync.runtime.follower import DriverHooks, Follower
+from lightning_fasync.runtime.checkpoints import CheckpointFiles, check_resume, run_identity, save_hf
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
-from lightning_fasync.lightning.preemption import Preempted, Preemption
-from lightning_fasync.lightning.ranks import check_minibatch_share, data_parallel, dp_share, reduce_metrics
-from lightning_fasync.lightning.resources import pin_trainer, plan_cpu_resources, trainer_share
-from lightning_fasync.lightning.runtime import RolloutRuntime
+from lightning_fasync.runtime.preemption import Preempted, Preemption
+from lightning_fasync.runtime.ranks import check_minibatch_share, data_parallel, dp_share, reduce_metrics
+from lightning_fasync.fleet.resources import pin_trainer, plan_cpu_resources, trainer_share
+from lightning_fasync.runtime.rollout_runtime import RolloutRuntime
 from lightning_fasync.pipeline.datasource import DataSource
 from lightning_fasync.pipeline.engine_client import EngineClient
 from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
 from lightning_fasync.pipeline.state import PipelineError
-from lightning_fasync.rollout.tensor_stream import TensorStream
 from lightning_fasync.types import TrajectoryGroup
 
 
@@ -88,7 +88,7 @@ def _loss_of(out: Any) -> torch.Tensor:
     )
 
 
-class FullyAsyncFabricLoop:
+class FullyAsyncFabricLoop(DriverHooks):
     """Train a Fabric-wrapped policy on fully-async (or colocate) rollouts.
 
     Arguments:
@@ -134,7 +134,6 @@ class FullyAsyncFabricLoop:
         # Rank 0: whether the other ranks wait for its next word (not inside a collective it began).
         self._listening = True
         self._offload = False  # colocate_offload on this device
-        self._onloaded = False  # a rank > 0 holds its training state on the device (colocate_offload)
         self._clip: Optional[float] = None  # fit's gradient_clip_val
         self._scheduler: Any = None  # fit's lr_scheduler
 
@@ -400,29 +399,22 @@ class FullyAsyncFabricLoop:
         A signal here is only recorded (rank 0 learns it at the step's last training call and ends
         the run at that boundary, with a checkpoint); this rank stops when rank 0 says so.
         """
-        hooks, fabric, optimizers = self._hooks, self.fabric, [self._optimizer]
+        fabric, follower, started = self.fabric, Follower(self, self._offload), False
         self._preemption = preemption = Preemption(self.cfg.trainer.preempt_grace_s)
         preemption.install()
         try:
             while True:
                 kind, msg = self._receive()
                 if kind == "batch":
-                    if self._offload and not self._onloaded:  # rank 0's controller does it in fetch()
-                        hooks.onload_train(optimizers)
-                        self._onloaded = True
+                    follower.replay("batch")
                     self._train_call(self._prepare(msg["groups"], msg["step"], msg["call"], msg["calls"]))
                 elif kind == "save":
-                    self._save(msg["step"], msg["fasync"])
+                    follower.replay("save", save=lambda: self._save(msg["step"], msg["fasync"]))
                 elif kind == "sync":
-                    if self._onloaded:  # after the checkpoint, as rank 0's controller in step_boundary
-                        hooks.offload_train(optimizers)
-                        self._onloaded = False
-                    weights = hooks.engine_state_dict()
-                    if isinstance(weights, TensorStream):  # rank 0 pushes it: take part in each gather
-                        weights.drain()
+                    follower.replay("sync" if started else "first_sync")
                 elif kind == "start":
-                    if self._offload:  # rank 0's controller does it in start()
-                        hooks.offload_train(optimizers)
+                    follower.replay("start")
+                    started = True
                     fabric.call("on_fasync_train_start", loop=self)
                 elif kind == "step":
                     self._begin_step(msg["step"])
@@ -465,27 +457,15 @@ class FullyAsyncFabricLoop:
 
     def sync_weights(self, version: int) -> None:
         self._send("sync", version=version)
-        weights = self._hooks.engine_state_dict()
         try:
-            self.runtime.sync_weights(weights, version)
+            super().sync_weights(version)
         finally:
-            if isinstance(weights, TensorStream):  # what a failed push left: the other ranks gather it too
-                weights.drain()
             self._listening = True
 
-    # ------------------------------------------------------------------ ColocateHooks (colocate_offload)
+    # ------------------------------------------------------------------ DriverHooks
 
-    def offload_rollout(self) -> None:
-        self.runtime.offload_rollout()
+    def _driver_hooks(self) -> Any:
+        return self._hooks
 
-    def onload_train(self) -> None:
-        self._hooks.onload_train([self._optimizer])
-
-    def offload_train(self) -> None:
-        self._hooks.offload_train([self._optimizer])
-
-    def onload_rollout_weights(self) -> None:
-        self.runtime.onload_rollout_weights()
-
-    def onload_rollout_kv(self) -> None:
-        self.runtime.onload_rollout_kv()
+    def _driver_optimizers(self) -> list[Any]:
+        return [self._optimizer]

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from lightning_fasync.rollout.tensor_stream import TensorStream
+from lightning_fasync.weights.tensor_stream import TensorStream
 from lightning_fasync.types import TrajectoryGroup
 
 __all__ = ["FullyAsyncHooks", "require_hooks"]
@@ -47,7 +47,7 @@ class FullyAsyncHooks:
                 f"Cannot tell which weights the engines serve: {type(self).__name__} holds {len(found)} Hugging Face "
                 "models; override engine_state_dict()."
             )
-        from lightning_fasync.lightning.shard_gather import engine_weights
+        from lightning_fasync.weights.shard_gather import engine_weights
 
         return engine_weights(found[0])
 
@@ -74,9 +74,9 @@ class FullyAsyncHooks:
         the accelerator so the engines get its memory (``timing/offload_train``; every rank, after
         the step's checkpoint). Default: this module's parameters, gradients and buffers and the
         ``optimizers``' state go to CPU memory when they are on CUDA (see
-        :mod:`~lightning_fasync.lightning.offload`); on CPU nothing moves. Override for state the
+        :mod:`~lightning_fasync.runtime.offload`); on CPU nothing moves. Override for state the
         default does not reach (e.g. tensors kept outside the module)."""
-        from lightning_fasync.lightning.offload import offload_training_state
+        from lightning_fasync.runtime.offload import offload_training_state
 
         if isinstance(self, torch.nn.Module):
             offload_training_state(self, optimizers)
@@ -84,7 +84,7 @@ class FullyAsyncHooks:
     def onload_train(self, optimizers: Sequence[Any]) -> None:
         """Colocate with ``colocate_offload``: training starts, bring back what :meth:`offload_train`
         moved (``timing/onload_train``; every rank, before the step's first training call)."""
-        from lightning_fasync.lightning.offload import onload_training_state
+        from lightning_fasync.runtime.offload import onload_training_state
 
         if isinstance(self, torch.nn.Module):
             onload_training_state(self, optimizers)

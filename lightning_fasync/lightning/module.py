@@ -22,18 +22,18 @@ from lightning_fasync.algorithms import (
     OldActorSnapshot,
     clip_grad_norm,
     compute_advantages,
-    compute_policy_loss,
+    policy_loss,
     grad_norm_metric,
     mask_offpolicy_tokens,
     masked_mean,
     prox_log_probs_loglinear,
     version_lag_metrics,
 )
-from lightning_fasync.config import REFERENCE_DTYPES, AlgorithmConfig, ConfigError, FasyncConfig, ReferenceConfig
+from lightning_fasync.config import MIXED_PRECISION, REFERENCE_DTYPES, AlgorithmConfig, ConfigError, FasyncConfig, ReferenceConfig
 from lightning_fasync.lightning.batch import PolicyBatch, RolloutBatch, collate_groups, rollout_dataloader
 from lightning_fasync.lightning.hooks import FullyAsyncHooks
-from lightning_fasync.lightning.sharding import MIXED_PRECISION, shard_policy
-from lightning_fasync.rollout.tensor_stream import TensorStream
+from lightning_fasync.weights.tensor_stream import TensorStream
+from lightning_fasync.registry import TRAINERS
 from lightning_fasync.types import TrajectoryGroup
 
 
@@ -279,8 +279,8 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         """The weights pushed to the engines at each step boundary (Hugging Face names): the
         policy's only, never the reference's. A sharded policy (``configure_model`` under
         ``ModelParallelStrategy``) gives a :class:`TensorStream` that gathers one tensor at a time;
-        every rank calls this and consumes it (see :mod:`~lightning_fasync.lightning.shard_gather`)."""
-        from lightning_fasync.lightning.shard_gather import engine_weights
+        every rank calls this and consumes it (see :mod:`~lightning_fasync.weights.shard_gather`)."""
+        from lightning_fasync.weights.shard_gather import engine_weights
 
         return engine_weights(self.policy)
 
@@ -332,12 +332,11 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (which sets the device mesh before this hook), shard the
         policy: tensor parallel over the mesh's ``tensor_parallel`` dim, FSDP2 over its
-        ``data_parallel`` dim (:func:`~lightning_fasync.lightning.sharding.shard_policy`). Without a
+        ``data_parallel`` dim (:func:`~lightning_fasync.trainers.fsdp.sharding.shard_policy`). Without a
         mesh nothing changes. Lightning may call the hook again: the policy is sharded once."""
         if self._device_mesh is None:
             return
-        shard_policy(self.policy, self._device_mesh, activation_checkpointing=self.hparams.activation_checkpointing,
-                     mixed_precision=self.hparams.mixed_precision)
+        TRAINERS.get("fsdp2").shard(self, self._device_mesh)
         # The snapshot reads the parameters when it is taken, so it sees the shards; buffers sized
         # for the unsharded parameters (none unless one was taken already) are dropped.
         self.snapshot.release()
@@ -435,7 +434,7 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
                                               batch.rollout_step, batch.call_index, batch.calls_per_step)
         if old_log_probs is None:
             old_log_probs = approx if method == "loglinear" else log_probs.detach()
-        loss, metrics = compute_policy_loss(
+        loss, metrics = policy_loss(
             log_probs,
             old_log_probs,
             data.rollout_log_probs,
@@ -469,7 +468,7 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         if driver is None or driver.world_size <= 1:
             return None
         from lightning_fasync.algorithms.losses import data_parallel_normalizer
-        from lightning_fasync.lightning.ranks import data_parallel
+        from lightning_fasync.runtime.ranks import data_parallel
 
         _, size, group = data_parallel(driver.strategy)
         return data_parallel_normalizer(size, group) if size > 1 else None

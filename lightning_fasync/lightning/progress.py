@@ -3,7 +3,10 @@
 Lightning counts training calls and epochs; a fully-async run is (B × N) // M training calls per
 rollout step over an endless ticket stream, so Lightning's bar would show ``Epoch 0/-2`` and
 four times the steps. This bar counts rollout steps, shows integers as integers, and leaves out
-``v_num``.
+``v_num``. :class:`~lightning_fasync.lightning.FullyAsyncCallback` moves it at each rollout step's
+end, after logging the step's metrics: Lightning runs a ``ModelCheckpoint`` (which the callback is)
+after every other callback, so a bar moving in its own ``on_train_batch_end`` would show the
+previous step's values.
 """
 
 from __future__ import annotations
@@ -39,16 +42,20 @@ class RolloutProgressBar(TQDMProgressBar):
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int) -> None:
-        calls = trainer.global_step  # optimizer steps: one per training call
-        if calls % self.calls_per_step == 0:
-            bar = self.train_progress_bar
-            bar.n = calls // self.calls_per_step
-            bar.set_postfix(self.get_metrics(trainer, pl_module))
-            bar.refresh()
+        pass  # the bar counts rollout steps: the callback calls show_rollout_step at each step's end
+
+    def show_rollout_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Draw the bar once for the rollout step that just ended, with its metrics."""
+        bar = self.train_progress_bar
+        if bar is None or bar.disable:
+            return
+        bar.n = trainer.global_step // self.calls_per_step  # optimizer steps: one per training call
+        bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+        bar.refresh()
 
     @override
     def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+        pass  # the last step's values are on the bar already; closing it draws it a last time
 
     @override
     def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """FullyAsyncStrategy: the trainer's Lightning strategy for single-device training beside a resident
-rollout pool, and the pool's size and core split (planned by :mod:`lightning_fasync.lightning.resources`).
+rollout pool, and the pool's size and core split (planned by :mod:`lightning_fasync.fleet.resources`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from typing import Optional
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from lightning_fasync.config import WEIGHT_SYNC_CHOICES, ConfigError
-from lightning_fasync.lightning.resources import ResourcePlan, plan_cpu_resources
+from lightning_fasync.config import ConfigError
+from lightning_fasync.registry import weight_sync_choices
+from lightning_fasync.fleet.resources import ResourcePlan, plan_cpu_resources
 
 
 class FullyAsyncStrategy(SingleDeviceStrategy):
@@ -40,8 +41,8 @@ class FullyAsyncStrategy(SingleDeviceStrategy):
         if device is None:
             device = "cuda:0" if torch.cuda.is_available() else "cpu"
         super().__init__(device=torch.device(device), **kwargs)
-        if weight_sync is not None and weight_sync not in WEIGHT_SYNC_CHOICES:
-            raise ConfigError(f"`weight_sync` is {weight_sync!r}; it must be one of {', '.join(WEIGHT_SYNC_CHOICES)} or None.")
+        if weight_sync is not None and weight_sync not in weight_sync_choices():
+            raise ConfigError(f"`weight_sync` is {weight_sync!r}; it must be one of {', '.join(weight_sync_choices())} or None.")
         if rollout_replicas < 1:
             raise ValueError(f"`rollout_replicas` is {rollout_replicas}; at least one engine replica is needed.")
         self.rollout_replicas = rollout_replicas

@@ -11,6 +11,7 @@ import random
 from collections import deque
 from typing import Any, Optional, Sequence
 
+from lightning_fasync.errors import PipelineError
 from lightning_fasync.types import PromptId, PromptSample
 
 
@@ -134,7 +135,6 @@ class ListDataSource(DataSource):
         # would replay some prompts and skip others, so it is refused, not silently overwritten.
         for key, mine in (("seed", self.seed), ("shuffle", self.shuffle)):
             if state[key] != mine:
-                from lightning_fasync.pipeline.state import PipelineError  # state imports this module
 
                 raise PipelineError(
                     f"The datasource was saved with {key}={state[key]!r} and is now built with {key}={mine!r} "

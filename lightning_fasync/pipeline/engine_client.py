@@ -2,7 +2,7 @@
 "dispatches to AgentFlow ... AgentFlow then interfaces with the inference engine"), and the
 request and result types of one ``/generate`` call. The flows themselves live in ``flow.py``.
 
-The HTTP client for SGLang-compatible servers lives in ``lightning_fasync.rollout``; this module
+The HTTP client for SGLang-compatible servers lives in ``lightning_fasync.fleet.client``; this module
 only fixes the contract so the pipeline stays free of HTTP and model imports.
 """
 
@@ -68,6 +68,11 @@ class GenerateResult:
     meta_info: dict[str, Any] = field(default_factory=dict)
 
 
+SKIPPED = object()
+"""What an admin call to an engine returns when the engine left the serving set meanwhile (its
+supervisor took it out): neither a success nor a failure of the update."""
+
+
 class EngineError(RuntimeError):
     """An engine call failed after the client's retries; ``status`` is the HTTP status, if any."""
 
@@ -85,7 +90,7 @@ class EngineFault(EngineError):
 class EngineClient(abc.ABC):
     """What the producer needs from a rollout engine (or a router in front of several).
 
-    Implementations: ``lightning_fasync.rollout.client.SGLangClient`` (HTTP, SGLang native API,
+    Implementations: ``lightning_fasync.fleet.client.SGLangClient`` (HTTP, SGLang native API,
     also the embedded engine), the instant in-process engine of the control-plane benchmark, and
     the simulator's virtual-time engine.
     """

@@ -33,17 +33,15 @@ from lightning_fasync.pipeline.buffer import PipelineBuffer
 from lightning_fasync.pipeline.datasource import DataSource
 from lightning_fasync.pipeline.events import EventLog, Ledger
 from lightning_fasync.pipeline.traj_queue import PendingGroup, TrajQueue
-from lightning_fasync.pipeline.window import WindowStrategy, WindowView, pipeline_capacity
+from lightning_fasync.config.schema import pipeline_capacity
+from lightning_fasync.pipeline.window import WindowStrategy, WindowView
+from lightning_fasync.errors import PipelineError
 from lightning_fasync.types import PromptSample, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 GroupFilter = Callable[[TrajectoryGroup], bool]
 
 ENGINE_FAULT_RETRIES = 3
 """Times a prompt is regenerated after engine faults (timeouts, lost replicas) before it is dropped."""
-
-
-class PipelineError(RuntimeError):
-    """The pipeline cannot go on: a timeout, a dead thread, an exhausted datasource."""
 
 
 @dataclass

@@ -18,10 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
-
-def pipeline_capacity(num_prompts_per_step: int, stale_steps: float) -> int:
-    """C = int(B * (1 + stale_steps)): the spec's capacity, floored exactly as ``int(...)`` does."""
-    return int(num_prompts_per_step * (1 + stale_steps))
+from lightning_fasync.registry import WINDOWS
 
 
 @dataclass(frozen=True)
@@ -124,11 +121,11 @@ class WindowedFifo:
 
 
 StrategyFactory = Callable[[], WindowStrategy]
-_REGISTRY: dict[str, StrategyFactory] = {}
 
 
 def register_window_strategy(name: str, factory: StrategyFactory | None = None):
-    """Register a strategy factory under ``name``; usable as a decorator on a class.
+    """Register a strategy factory under ``name`` in :data:`lightning_fasync.registry.WINDOWS`;
+    usable as a decorator on a class.
 
     Example::
 
@@ -141,36 +138,22 @@ def register_window_strategy(name: str, factory: StrategyFactory | None = None):
     Raises:
         ValueError: when ``name`` is already registered to another factory.
     """
-
-    def _register(f: StrategyFactory) -> StrategyFactory:
-        existing = _REGISTRY.get(name)
-        if existing is not None and existing is not f:
-            raise ValueError(
-                f"A sliding-window strategy named {name!r} is already registered ({existing!r}); pick another name."
-            )
-        _REGISTRY[name] = f
-        return f
-
-    if factory is not None:
-        return _register(factory)
-    return _register
+    return WINDOWS.register(name, factory)
 
 
 def available_strategies() -> list[str]:
     """Names usable in ``fully_async.sliding_window``."""
-    return sorted(_REGISTRY)
+    return WINDOWS.names()
 
 
 def make_window_strategy(name: str) -> WindowStrategy:
-    """Instantiate the strategy registered under ``name``."""
-    try:
-        factory = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"`fully_async.sliding_window` is {name!r}, which is not a registered strategy; "
-            f"choose one of {', '.join(available_strategies())}."
-        ) from None
-    strategy = factory()
+    """Instantiate the strategy registered under ``name``.
+
+    Raises:
+        ConfigError: ``name`` is not registered (naming ``fully_async.sliding_window``).
+        TypeError: what it builds lacks one of the three methods.
+    """
+    strategy = WINDOWS.get(name)()
     missing = [m for m in ("dispatch_count", "can_collect", "reset") if not callable(getattr(strategy, m, None))]
     if missing:
         raise TypeError(
@@ -178,8 +161,3 @@ def make_window_strategy(name: str) -> WindowStrategy:
             "dispatch_count(view), can_collect(seq, view) and reset()."
         )
     return strategy
-
-
-register_window_strategy("no-window", NoWindow)
-register_window_strategy("window-gated", WindowGated)
-register_window_strategy("windowed-fifo", WindowedFifo)

@@ -1,6 +1,0 @@
-"""Llama (``LlamaForCausalLM``): RMSNorm, GQA, SwiGLU, RoPE (default or llama3 scaling), no
-biases."""
-
-from lightning_fasync.megatron.convert._common import Family
-
-FAMILY = Family("llama")

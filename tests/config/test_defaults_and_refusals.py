@@ -1,0 +1,129 @@
+"""Config: spec names and defaults, and every forbidden combination refused in one sentence."""
+
+import warnings
+
+import pytest
+
+from lightning_fasync.config import ConfigError, ConfigWarning, FasyncConfig, load_config, validate
+from lightning_fasync.config import pipeline_capacity
+
+
+def fully_async(**over):
+    data = {
+        "colocate": False,
+        "fully_async": {"enable": True},
+        "data_source": {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2},
+        "trainer": {"mini_batch_size": 4},
+    }
+    for key, value in over.items():
+        d = data
+        parts = key.split(".")
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = value
+    return load_config(data)
+
+
+def test_defaults_follow_the_spec():
+    cfg = FasyncConfig()
+    assert cfg.fully_async.enable is False
+    assert cfg.fully_async.sliding_window == "no-window"
+    assert cfg.fully_async.stale_steps == 0
+    assert cfg.colocate is True
+    assert cfg.run_mode == "default"
+    assert cfg.data_source.num_prompts_per_step == 64
+    assert cfg.trainer.mini_batch_size == 64
+    assert (cfg.trainer.num_nodes, cfg.trainer.num_gpus_per_node) == (1, 8)
+    assert cfg.rollout.sampler.num_oversample == 0
+    assert cfg.rollout.partial is False
+    assert cfg.rollout.mask_offpolicy_in_partial_rollout is False
+    assert cfg.agentflow.router.max_connections == 512
+    assert cfg.algorithm.m2po.enable is False and cfg.algorithm.opsm.enable is False
+    assert cfg.sources == [cfg.data_source]
+    validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "B,stale,expected", [(64, 1.0, 128), (64, 0, 64), (64, 2.0, 192), (10, 0.25, 12), (3, 0.5, 4), (7, 0.1, 7)]
+)
+def test_capacity_is_int_of_b_times_one_plus_stale(B, stale, expected):
+    assert pipeline_capacity(B, stale) == expected == int(B * (1 + stale))
+
+
+@pytest.mark.parametrize(
+    "over,key,fragment",
+    [
+        ({"colocate": True}, "`colocate`", "colocate: false"),
+        ({"run_mode": "train-only"}, "`run_mode`", "only the default mode"),
+        ({"run_mode": "rollout-only"}, "`run_mode`", "only the default mode"),
+        ({"trainer.mini_batch_size": 3}, "`trainer.mini_batch_size`", "divisible"),
+        ({"fully_async.stale_steps": -0.5}, "`fully_async.stale_steps`", ">= 0"),
+        ({"rollout.sampler.num_oversample": 2}, "`rollout.sampler.num_oversample`", "must be 0"),
+        ({"rollout.mask_offpolicy_in_partial_rollout": True}, "`rollout.mask_offpolicy_in_partial_rollout`", "partial"),
+        (
+            {"algorithm.m2po.enable": True, "trainer.use_rollout_log_probs": True},
+            "`algorithm.m2po.enable`",
+            "use_rollout_log_probs",
+        ),
+        ({"fully_async.sliding_window": "fifo"}, "`fully_async.sliding_window`", "windowed-fifo"),
+    ],
+)
+def test_forbidden_combinations_are_refused(over, key, fragment):
+    cfg = fully_async(**over)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    msg = str(info.value)
+    assert key in msg and fragment in msg
+    assert msg.count(". ") <= 1 and "\n" not in msg  # one sentence
+
+
+def test_more_than_one_data_source_refused_in_every_mode():
+    cfg = fully_async()
+    src = {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2}
+    cfg2 = load_config({**cfg.to_dict(), "data_sources": [src, src]})
+    with pytest.raises(ConfigError, match="`data_sources` lists 2 sources"):
+        validate(cfg2)
+    cfg2.fully_async.enable = False
+    cfg2.colocate = True
+    with pytest.raises(ConfigError, match="`data_sources` lists 2 sources"):
+        validate(cfg2)  # nothing would read the second one
+    cfg2.data_sources = [cfg2.data_sources[0]]
+    validate(cfg2)
+
+
+@pytest.mark.parametrize("mode", ["train-only", "rollout-only"])
+def test_run_modes_other_than_default_are_refused(mode):
+    for cfg in (fully_async(run_mode=mode), load_config({"run_mode": mode})):
+        with pytest.raises(ConfigError, match=f"`run_mode` is '{mode}'; lightning-fasync runs only the default mode"):
+            validate(cfg)
+
+
+def test_mini_batch_not_multiple_of_n_warns():
+    cfg = fully_async(**{"data_source.num_trajectories_per_prompt": 4, "data_source.num_prompts_per_step": 3, "trainer.mini_batch_size": 6})
+    with pytest.warns(ConfigWarning, match="M % N == 0"):
+        validate(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate(fully_async())
+
+
+def test_partial_with_mask_is_allowed_and_colocate_baseline_is_valid():
+    validate(fully_async(**{"rollout.partial": True, "rollout.mask_offpolicy_in_partial_rollout": True}))
+    validate(load_config({"colocate": True, "rollout": {"sampler": {"num_oversample": 8}}}))
+
+
+def test_unknown_and_mistyped_keys_name_the_key():
+    with pytest.raises(ConfigError, match=r"`fully_async.stale` is not a configuration key"):
+        load_config({"fully_async": {"stale": 1}})
+    with pytest.raises(ConfigError, match=r"`rollout.partial` must be true or false"):
+        load_config({"rollout": {"partial": "maybe"}})
+    with pytest.raises(ConfigError, match=r"`nope` is not a configuration key"):
+        load_config({"nope": 1})
+    with pytest.raises(ConfigError, match=r"`fully_async.stale_steps` must be a number"):
+        load_config({"fully_async": {"stale_steps": "one"}})
+
+
+def test_plugins_must_import():
+    cfg = fully_async(**{"fully_async.plugins": ["no_such_module_xyz"]})
+    with pytest.raises(ConfigError, match="`fully_async.plugins` lists 'no_such_module_xyz'"):
+        validate(cfg)
