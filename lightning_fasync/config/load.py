@@ -11,12 +11,6 @@ from typing import Any, Literal, Mapping, Optional, Sequence, Union
 from lightning_fasync.config.schema import GROUPS, SCALARS, DataSourceConfig, FasyncConfig, RolloutConfig, TrainerConfig
 from lightning_fasync.errors import ConfigError
 
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a config dataclass (what ``--help`` shows)."""
-    from docstring_parser import parse_from_object
-
-    return {p.arg_name: p.description or "" for p in parse_from_object(cls).params}
-
 __all__ = [
     "field_docs",
     "add_config_arguments",
@@ -27,6 +21,12 @@ __all__ = [
     "with_overrides",
 ]
 
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (what ``--help`` shows)."""
+    from docstring_parser import parse_from_object
+
+    return {p.arg_name: p.description or "" for p in parse_from_object(cls).params}
 
 
 def add_config_arguments(parser: Any, skip_trainer: Sequence[str] = ()) -> None:

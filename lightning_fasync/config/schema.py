@@ -14,11 +14,6 @@ from typing import Any, Literal, Optional, Union
 
 from lightning_fasync.errors import ConfigError, ConfigWarning
 
-
-def pipeline_capacity(num_prompts_per_step: int, stale_steps: float) -> int:
-    """C = int(B * (1 + stale_steps)): the spec's capacity, floored exactly as ``int(...)`` does."""
-    return int(num_prompts_per_step * (1 + stale_steps))
-
 __all__ = [
     "pipeline_capacity",
     "TOOLS",
@@ -50,6 +45,10 @@ __all__ = [
 ]
 
 
+def pipeline_capacity(num_prompts_per_step: int, stale_steps: float) -> int:
+    """C = int(B * (1 + stale_steps)): the spec's capacity, floored exactly as ``int(...)`` does."""
+    return int(num_prompts_per_step * (1 + stale_steps))
+
 
 TOOLS = ("calculator", "python")
 """The built-in tool names (``agentflow.tools``; :mod:`lightning_fasync.agents.tools` implements them)."""
@@ -72,7 +71,6 @@ class SandboxLimits:
     """Bytes of stdout + stderr kept; a run that prints more is stopped ("error: output limit exceeded")."""
     max_concurrent: int = 4
     """Sandboxes running at once (across all episodes); further tool calls wait for a free one."""
-
 
 
 # --------------------------------------------------------------------------------------------

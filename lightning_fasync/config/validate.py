@@ -13,6 +13,14 @@ from lightning_fasync.config.schema import FasyncConfig, SGLangArgs
 from lightning_fasync.errors import ConfigError, ConfigWarning
 from lightning_fasync.registry import ENGINE_BACKENDS, WEIGHT_PATHS, WINDOWS, weight_sync_choices
 
+__all__ = [
+    "validate_backend",
+    "import_plugins",
+    "colocate_offload_enabled",
+    "validate",
+]
+
+
 def validate_backend(cfg: FasyncConfig) -> None:
     """Refuse a ``rollout.backend`` configuration that cannot run (part of :func:`validate`; what
     depends on this host, the model, CUDA and SGLang, is checked when the run starts, by
@@ -41,14 +49,6 @@ def validate_backend(cfg: FasyncConfig) -> None:
     backend = ENGINE_BACKENDS.get(ro.backend)
     if backend.check_config is not None:
         backend.check_config(cfg)
-
-__all__ = [
-    "validate_backend",
-    "import_plugins",
-    "colocate_offload_enabled",
-    "validate",
-]
-
 
 
 def import_plugins(cfg: FasyncConfig) -> None:

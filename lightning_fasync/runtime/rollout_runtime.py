@@ -28,9 +28,10 @@ from lightning_fasync.pipeline.engine_client import EngineClient, SamplingParams
 from lightning_fasync.pipeline.evaluator import EvalSource, Evaluator
 from lightning_fasync.pipeline.flow import AgentFlow, RewardFn
 from lightning_fasync.pipeline.state import PipelineError
-from lightning_fasync.weights.tensor_stream import TensorStream
 from lightning_fasync.registry import ENGINE_BACKENDS, WEIGHT_PATHS, EngineStart, weight_sync_choices
 from lightning_fasync.types import PromptSample
+from lightning_fasync.weights.tensor_stream import TensorStream
+
 
 @dataclass
 class _EvalSet:
@@ -58,8 +59,8 @@ class RolloutRuntime:
         admin_timeout: seconds one weight sync may take.
         weight_sync: the weight-sync path (``distributed``, ``tensor``, ``disk``; see
             :mod:`~lightning_fasync.weights.sync`), or ``auto``; None: ``rollout.weight_sync``.
-            An engine client of your own (not an ``SGLangClient``) receives the weights through its
-            the path's ``client_method`` (``update_weights_from_<path>(tensors, weight_version=...)``).
+            An engine client of your own (not an ``SGLangClient``) receives the weights through the
+            path's ``client_method`` (``update_weights_from_<path>(tensors, weight_version=...)``).
         datasource, reward, flow: the rollout side's objects; None builds them from the config.
         client: an engine client for engines someone else runs; None: the engines of
             ``rollout.backend`` (embedded or SGLang servers started here, or ``rollout.engine_urls``).
