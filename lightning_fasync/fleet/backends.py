@@ -1,4 +1,6 @@
-"""The rollout backends besides the embedded engine (``rollout.backend``, docs/backends.md).
+"""The rollout backends (``rollout.backend``, docs/backends.md), one :class:`~lightning_fasync.registry.EngineBackend`
+record each at the end of this module (``EMBEDDED``, ``SGLANG``, ``EXTERNAL``): the embedded engine's
+supervised pool (:mod:`lightning_fasync.fleet.pool`), and the two without a supervisor:
 
 - ``sglang``: :class:`SGLangPool` launches one ``python -m sglang.launch_server`` per replica of
   ``rollout.sglang_replicas``, each on the GPUs the resource plan gives it (``CUDA_VISIBLE_DEVICES``),
