@@ -23,8 +23,7 @@ from lightning_fasync.registry import TRAINERS, TrainerBackend
 
 
 class FrozenEmbeddingsStrategy(FullyAsyncStrategy):
-    """One device beside the engines (all of ``FullyAsyncStrategy``); its own class so that the
-    backend is selected by it."""
+    """One device beside the engines (all of ``FullyAsyncStrategy``), under a name of its own."""
 
 
 class FrozenEmbeddingsPolicy(RLPolicyModule):
@@ -56,7 +55,6 @@ def _check_cli(trainer: Mapping[str, Any]) -> None:
 TRAINERS.register("frozen-embeddings", TrainerBackend(
     name="frozen-embeddings",
     strategy_names=("frozen_embeddings", "FrozenEmbeddingsStrategy", "trainer_backend_plugin.FrozenEmbeddingsStrategy"),
-    matches=lambda strategy: isinstance(strategy, FrozenEmbeddingsStrategy),
     register=_register,
     module_class="trainer_backend_plugin:FrozenEmbeddingsPolicy",
     check_cli=_check_cli,

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Iterator, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Generic, Mapping, Optional, Sequence, TypeVar
 
 from lightning_fasync.errors import ConfigError
 
 __all__ = [
     "ENGINE_BACKENDS", "TRAINERS", "WEIGHT_PATHS", "WINDOWS", "EngineBackend", "EngineStart", "Registry",
-    "TrainerBackend", "WeightPath", "load_path", "trainer_backend_for", "trainer_backend_named",
+    "TrainerBackend", "WeightPath", "load_path", "trainer_backend_named",
     "weight_sync_choices",
 ]
 
@@ -62,7 +62,7 @@ class Registry(Generic[T]):
                                 or (existing is None and name in self._paths)):
                 raise ValueError(
                     f"A {self.what} named {name!r} is already registered "
-                    f"({existing!r} or {self._paths.get(name)!r}); pick another name or pass replace=True."
+                    f"({existing if existing is not None else self._paths[name]!r}); pick another name or pass replace=True."
                 )
             if replace:
                 self._paths.pop(name, None)
@@ -82,9 +82,6 @@ class Registry(Generic[T]):
     def __contains__(self, name: object) -> bool:
         return name in self._entries or name in self._paths
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
-
     def get(self, name: str, key: Optional[str] = None) -> T:
         """The entry registered under ``name``.
 
@@ -99,8 +96,7 @@ class Registry(Generic[T]):
                 f"`{key or self.key}` is {name!r}, which is not a registered {self.what}; it must be one of "
                 f"{', '.join(self.names())}{self.hint}."
             )
-        module, _, attr = path.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
+        entry = load_path(path)
         self._entries[name] = entry
         return entry
 
@@ -241,7 +237,6 @@ class TrainerBackend:
         name: the backend's name.
         strategy_names: how the command line and config files name its strategy
             (``--trainer.strategy=NAME``); the CLI then builds ``module_class``.
-        matches: strategy object -> whether this backend trains under it.
         strategy_class: ``"package.module:Class"`` of its Lightning strategy, imported by the CLI so
             that ``--trainer.strategy=Class`` resolves (None: Lightning's own, or registered by ``register``).
         register: called once by the CLI before parsing (e.g. Lightning ``StrategyRegistry`` entries).
@@ -258,7 +253,6 @@ class TrainerBackend:
 
     name: str
     strategy_names: Sequence[str] = ()
-    matches: Optional[Callable[[Any], bool]] = None
     strategy_class: Optional[str] = None
     register: Optional[Callable[[], None]] = None
     module_class: Optional[str] = None
@@ -274,14 +268,6 @@ TRAINERS: Registry[TrainerBackend] = Registry(
      "megatron": "lightning_fasync.trainers.megatron:BACKEND"},
     hint=" (docs/extending.md)",
 )
-
-
-def trainer_backend_for(strategy: Any) -> Optional[TrainerBackend]:
-    """The registered backend that trains under ``strategy`` (None: plain Lightning)."""
-    for backend in TRAINERS.entries():
-        if backend.matches is not None and backend.matches(strategy):
-            return backend
-    return None
 
 
 def trainer_backend_named(name: Optional[str]) -> Optional[TrainerBackend]:

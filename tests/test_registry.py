@@ -14,7 +14,6 @@ from lightning_fasync.registry import (
     WINDOWS,
     Registry,
     WeightPath,
-    trainer_backend_for,
     trainer_backend_named,
     weight_sync_choices,
 )
@@ -92,11 +91,7 @@ def test_a_registered_weight_path_is_a_valid_rollout_weight_sync_and_its_check_r
         WEIGHT_PATHS.unregister("test-path")
 
 
-def test_trainer_backends_are_found_by_strategy_object_and_by_command_line_name():
-    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
-
-    assert trainer_backend_for(ModelParallelStrategy()).name == "fsdp2"
-    assert trainer_backend_for(DDPStrategy()) is None
+def test_trainer_backends_are_found_by_command_line_name():
     assert trainer_backend_named("MegatronStrategy").name == "megatron"
     assert trainer_backend_named("model_parallel").name == "fsdp2"
     assert trainer_backend_named("ddp") is None and trainer_backend_named(None) is None

@@ -649,16 +649,12 @@ class EvalConfig:
             names.add(src.name)
             if src.num_prompts <= 0:
                 raise ConfigError(f"`{key}.num_prompts` is {src.num_prompts}; it must be a positive integer (the eval set's size).")
-            if src.path and src.datasource:
-                raise ConfigError(f"`{key}.path` and `{key}.datasource` are both set; prompts come from one of them.")
-            if src.format not in (None, "parquet", "json", "jsonl"):
-                raise ConfigError(f"`{key}.format` is {src.format!r}; it must be parquet, json, jsonl or null (from the extension).")
+            src.check(key, for_eval=True)
             if (src.path or src.datasource) and not src.reward:
                 raise ConfigError(
                     f"`{key}.{'path' if src.path else 'datasource'}` is set but `{key}.reward` is not; name the reward, e.g. "
                     "lightning_fasync.data.rewards:math_reward (math-verify)."
                 )
-            src.check(key, for_eval=True)
         self.sampling.check()
         if not self.timeout > 0:
             raise ConfigError(f"`eval.timeout` is {self.timeout}; it must be > 0 seconds.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from typing import Sequence
 
 from lightning_fasync.config.schema import FasyncConfig, SGLangArgs
 from lightning_fasync.errors import ConfigError, ConfigWarning
@@ -51,9 +52,14 @@ def validate_backend(cfg: FasyncConfig) -> None:
         backend.check_config(cfg)
 
 
-def import_plugins(cfg: FasyncConfig) -> None:
-    """Import ``fully_async.plugins`` so custom strategies register before validation."""
-    for module in cfg.fully_async.plugins:
+def import_plugins(modules: Sequence[str]) -> None:
+    """Import the modules of ``fully_async.plugins``, so that what they register (a window, a weight
+    path, a trainer backend) is there before the config is checked or the command line read.
+
+    Raises:
+        ConfigError: a module that cannot be imported.
+    """
+    for module in modules:
         try:
             importlib.import_module(module)
         except ImportError as exc:
@@ -83,7 +89,7 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
     Raises:
         ConfigError: one sentence naming the key, the value given and the rule.
     """
-    import_plugins(cfg)
+    import_plugins(cfg.fully_async.plugins)
     fa = cfg.fully_async
     sources = cfg.sources
     if not sources:

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_fasync.config import (ConfigError, FasyncConfig, TrainerConfig, _config_error_sentence, add_config_arguments,
-                                     config_from_namespace, validate)
+                                     config_from_namespace, import_plugins, validate)
 from lightning_fasync.registry import TRAINERS, load_path, trainer_backend_named
 from lightning_fasync.lightning.callback import FullyAsyncCallback
 from lightning_fasync.runtime.checkpoints import find_last
@@ -293,8 +293,6 @@ def import_plugins_named(args: Sequence[str]) -> None:
     Raises:
         ConfigError: a plugin that cannot be imported.
     """
-    import importlib
-
     import yaml
 
     plugins = _named(args, ("--fully_async.plugins",), ("fully_async", "plugins"))
@@ -304,14 +302,8 @@ def import_plugins_named(args: Sequence[str]) -> None:
         except yaml.YAMLError:
             return  # the CLI's own parser reports it
         plugins = [plugins] if isinstance(plugins, str) else plugins
-    for module in plugins if isinstance(plugins, list) else ():
-        try:
-            importlib.import_module(str(module))
-        except ImportError as exc:
-            raise ConfigError(
-                f"`fully_async.plugins` lists {module!r}, which cannot be imported ({exc}); "
-                "each entry must be an importable Python module."
-            ) from exc
+    if isinstance(plugins, list):
+        import_plugins([str(module) for module in plugins])
 
 
 def policy_class(args: Sequence[str]) -> type:

@@ -11,13 +11,6 @@ from typing import Any
 from lightning_fasync.registry import TrainerBackend
 
 
-def _is_model_parallel(strategy: Any) -> bool:
-    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    return isinstance(strategy, (ModelParallelStrategy, FabricModelParallel))
-
-
 def _register() -> None:
     from lightning_fasync.lightning.strategy import register_model_parallel
 
@@ -36,7 +29,6 @@ def _shard(module: Any, device_mesh: Any) -> None:
 BACKEND = TrainerBackend(
     name="fsdp2",
     strategy_names=("model_parallel", "ModelParallelStrategy", "lightning.pytorch.strategies.ModelParallelStrategy"),
-    matches=_is_model_parallel,
     register=_register,
     shard=_shard,
 )

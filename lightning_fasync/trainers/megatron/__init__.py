@@ -6,7 +6,6 @@ Lightning pieces, :class:`MegatronStrategy` and :class:`MegatronPolicyModule`, i
 (the ``megatron`` extra: ``pip install -e ".[megatron]"``).
 """
 
-import sys
 from typing import Any, Mapping, Optional
 
 from lightning_fasync.errors import ConfigError
@@ -26,11 +25,6 @@ def __getattr__(name: str):
 
         return MegatronPolicyModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _is_megatron(strategy: Any) -> bool:
-    module = sys.modules.get("lightning_fasync.trainers.megatron.strategy")  # not imported: not a MegatronStrategy
-    return module is not None and isinstance(strategy, module.MegatronStrategy)
 
 
 def _check_cli(trainer: Mapping[str, Any]) -> None:
@@ -59,7 +53,6 @@ BACKEND = TrainerBackend(
     name="megatron",
     strategy_names=("MegatronStrategy", "megatron", "lightning_fasync.trainers.megatron.MegatronStrategy",
                     "lightning_fasync.trainers.megatron.strategy.MegatronStrategy"),
-    matches=_is_megatron,
     strategy_class="lightning_fasync.trainers.megatron.strategy:MegatronStrategy",
     module_class="lightning_fasync.trainers.megatron.module:MegatronPolicyModule",
     check_cli=_check_cli,
