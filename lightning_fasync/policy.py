@@ -2,7 +2,8 @@
 
 Presets need no download: ``tiny`` is a small Qwen2-architecture model with seeded random weights and
 a character-level tokenizer (printable ASCII plus ``<pad>``, ``<s>``, ``</s>``, ``<unk>``) with a
-ChatML chat template, the embedded default policy of tests and CPU runs. ``qwen3-30m-shape`` is a
+ChatML chat template, the embedded default policy of tests and CPU runs; ``tiny-hd32`` is the same
+with head_dim 32, which vLLM's CPU build also serves (``rollout.backend: vllm``). ``qwen3-30m-shape`` is a
 ~31M-parameter Qwen3 (per-head q/k norms, grouped-query attention, tied embeddings, the char
 tokenizer's vocabulary) with random weights, large enough that a CPU throughput benchmark measures
 the model rather than per-request overhead. ``qwen3-0.6b-shape`` has Qwen3-0.6B's dimensions with
@@ -115,6 +116,20 @@ def _build_tiny(dtype: torch.dtype) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
+def _build_tiny_hd32(dtype: torch.dtype) -> tuple[Any, Any]:
+    """``tiny`` with head_dim 32 (3 query heads of 32 over the same hidden size 96, one kv head):
+    the smallest shape vLLM's CPU attention serves (it refuses head_dim 24, ``tiny``'s), so both
+    engines load the same weights (``configs/*_vllm.yaml``, the differential tests)."""
+    model, tokenizer = _build_tiny(dtype)
+    config = model.config
+    config.num_attention_heads = 3
+    config.head_dim = 32
+    from transformers import AutoModelForCausalLM
+
+    model = _seeded(lambda: AutoModelForCausalLM.from_config(config, dtype=dtype), _TINY_SEED)
+    return model.eval(), tokenizer
+
+
 def _build_qwen3_shape(dtype: torch.dtype, **shape: Any) -> tuple[Any, Any]:
     """A randomly initialised Qwen3 of the given shape, with the char tokenizer (no download)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -148,6 +163,7 @@ def _build_qwen3_30m_shape(dtype: torch.dtype) -> tuple[Any, Any]:
 
 PRESETS: dict[str, Callable[[torch.dtype], tuple[Any, Any]]] = {
     "tiny": _build_tiny,
+    "tiny-hd32": _build_tiny_hd32,
     "qwen3-30m-shape": _build_qwen3_30m_shape,
     "qwen3-0.6b-shape": _build_qwen3_06b_shape,
 }
@@ -157,7 +173,7 @@ def build_policy(name_or_path: str, dtype: torch.dtype = torch.float32) -> tuple
     """Build a causal LM and its tokenizer.
 
     Args:
-        name_or_path: A preset name (``tiny``, ``qwen3-30m-shape``, ``qwen3-0.6b-shape``) or a local Hugging Face
+        name_or_path: A preset name (``tiny``, ``tiny-hd32``, ``qwen3-30m-shape``, ``qwen3-0.6b-shape``) or a local Hugging Face
             directory with a config, safetensors weights and a tokenizer.
         dtype: Parameter dtype.
 
@@ -184,7 +200,7 @@ def load_tokenizer(name_or_path: str) -> Any:
     """The tokenizer of a preset or a local Hugging Face directory, without building the model."""
     if name_or_path in PRESETS:
         tokenizer = build_char_tokenizer()
-        if name_or_path == "tiny":
+        if name_or_path in ("tiny", "tiny-hd32"):
             tokenizer.chat_template = TINY_CHAT_TEMPLATE
         return tokenizer
     if not os.path.isdir(name_or_path):
@@ -225,3 +241,22 @@ def save_policy(model: Any, tokenizer: Any, path: str) -> str:
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def policy_skeleton(name: str, key: str) -> tuple[Any, Any]:
+    """The policy ``name`` on the meta device (config, class, tensor names and shapes; no weights)
+    and its tokenizer."""
+    from lightning_fasync.errors import ConfigError
+
+    if name in PRESETS:
+        with torch.device("meta"):
+            return PRESETS[name](torch.float32)
+    if not os.path.isdir(name):
+        raise ConfigError(f"`{key}` {name!r} is neither a preset ({', '.join(PRESETS)}) nor a local Hugging Face "
+                          "model directory.")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return skeleton, load_tokenizer(name)

@@ -179,6 +179,7 @@ ENGINE_BACKENDS: Registry[EngineBackend] = Registry(
     "rollout.backend", "engine backend",
     {"embedded": "lightning_fasync.fleet.backends:EMBEDDED",
      "sglang": "lightning_fasync.fleet.backends:SGLANG",
+     "vllm": "lightning_fasync.fleet.vllm:VLLM",
      "external": "lightning_fasync.fleet.backends:EXTERNAL"},
     hint=" (docs/backends.md)",
 )
@@ -202,19 +203,23 @@ class WeightPath:
             receive the weights: ``client_method(tensors, weight_version=...)``.
         check_config: refuses what this path cannot do, from the config alone (part of
             ``config.validate``); raises ``ConfigError``.
+        options: (the run's config, the policy the engines serve) -> the path's own keyword
+            arguments of ``make`` (None: none).
     """
 
     name: str
     make: Callable[..., Any]
     client_method: str
     check_config: Optional[Callable[[Any], None]] = None
+    options: Optional[Callable[[Any, Optional[str]], Mapping[str, Any]]] = None
 
 
 WEIGHT_PATHS: Registry[WeightPath] = Registry(
     "rollout.weight_sync", "weight-sync path",
     {"distributed": "lightning_fasync.weights.group:DISTRIBUTED",
      "tensor": "lightning_fasync.weights.sync:TENSOR",
-     "disk": "lightning_fasync.weights.sync:DISK"},
+     "disk": "lightning_fasync.weights.sync:DISK",
+     "vllm": "lightning_fasync.weights.vllm_sync:VLLM"},
     hint=" or auto (docs/weight_sync.md)",
 )
 

@@ -33,17 +33,18 @@ def test_builtins_are_named_by_path_and_imported_on_first_use():
 
 
 def test_the_built_in_names_in_their_order():
-    assert ENGINE_BACKENDS.names() == ["embedded", "sglang", "external"]
-    assert weight_sync_choices() == ["auto", "distributed", "tensor", "disk"]
+    assert ENGINE_BACKENDS.names() == ["embedded", "sglang", "vllm", "external"]
+    assert weight_sync_choices() == ["auto", "distributed", "tensor", "disk", "vllm"]
     assert WINDOWS.names()[:3] == ["no-window", "window-gated", "windowed-fifo"]
     assert {"fsdp2", "megatron"} <= set(TRAINERS.names())
     assert ENGINE_BACKENDS.get("embedded").supervised and not ENGINE_BACKENDS.get("external").supervised
+    assert ENGINE_BACKENDS.get("vllm").supervised
     assert WEIGHT_PATHS.get("disk").client_method == "update_weights_from_disk"
 
 
 @pytest.mark.parametrize("data, sentence", [
-    ({"rollout": {"backend": "vllm"}}, "`rollout.backend` is 'vllm', which is not a registered engine backend; it must be one of embedded, sglang, external"),
-    ({"rollout": {"weight_sync": "nccl"}}, "`rollout.weight_sync` is 'nccl'; it must be one of auto, distributed, tensor, disk"),
+    ({"rollout": {"backend": "trtllm"}}, "`rollout.backend` is 'trtllm', which is not a registered engine backend; it must be one of embedded, sglang, vllm, external"),
+    ({"rollout": {"weight_sync": "nccl"}}, "`rollout.weight_sync` is 'nccl'; it must be one of auto, distributed, tensor, disk, vllm"),
     ({"fully_async": {"sliding_window": "fifo"}}, "`fully_async.sliding_window` is 'fifo', which is not a registered sliding-window strategy"),
 ])
 def test_a_name_not_registered_is_refused_naming_the_key_and_the_names(data, sentence):

@@ -17,6 +17,7 @@ from lightning_fasync.errors import ConfigError, ConfigWarning
 __all__ = [
     "pipeline_capacity",
     "TOOLS",
+    "SANDBOX_MODES",
     "SandboxLimits",
     "FullyAsyncConfig",
     "DataSourceConfig",
@@ -24,6 +25,7 @@ __all__ = [
     "SGLangReplicaConfig",
     "SamplerConfig",
     "SGLangArgs",
+    "VLLMArgs",
     "EngineRestartConfig",
     "RolloutConfig",
     "RouterConfig",
@@ -54,23 +56,48 @@ TOOLS = ("calculator", "python")
 """The built-in tool names (``agentflow.tools``; :mod:`lightning_fasync.agents.tools` implements them)."""
 
 
+SANDBOX_MODES = ("bwrap", "process")
+"""``agentflow.sandbox.mode``: ``bwrap`` (isolation the kernel enforces, through bubblewrap) or
+``process`` (the weaker in-process check alone); docs/agents.md has what each guarantees."""
+
+
 @dataclass
 class SandboxLimits:
-    """``agentflow.sandbox.*``: limits of one sandboxed tool run (the ``python`` tool)."""
+    """``agentflow.sandbox.*``: isolation and limits of one sandboxed tool run (the ``python`` tool)."""
 
+    mode: str = "bwrap"
+    """``bwrap``: each run in bubblewrap's user, PID, mount, network and IPC namespaces as an unprivileged
+    uid, the host read-only and mostly absent, only a size-limited tmpfs writable; refused at startup where
+    bubblewrap or the namespaces are missing. ``process``: a plain subprocess watched by an audit hook,
+    a tripwire, not a boundary (docs/agents.md)."""
     cpu_s: float = 5.0
-    """CPU seconds per run (RLIMIT_CPU); past it the run ends with "error: time limit exceeded"."""
+    """CPU seconds per process of a run (RLIMIT_CPU); past it the run ends with "error: time limit exceeded"."""
     wall_s: float = 10.0
-    """Wall-clock seconds per run, interpreter start included; past it the process group is killed
+    """Wall-clock seconds per run, interpreter start included; past it every process of the run is killed
     ("error: time limit exceeded")."""
     memory_mb: int = 256
-    """Address space per run in MiB (RLIMIT_AS); past it "error: memory limit exceeded"."""
+    """Address space per process of a run in MiB (RLIMIT_AS); past it "error: memory limit exceeded"."""
     file_mb: int = 16
-    """Largest file a run may write in its working directory, in MiB (RLIMIT_FSIZE)."""
+    """Largest file a run may write, in MiB (RLIMIT_FSIZE); past it "error: file size limit exceeded"."""
+    disk_mb: int = 64
+    """Mode ``bwrap``: MiB a run may write in all (its working directory is a tmpfs of this size, in memory);
+    past it "error: disk limit exceeded"."""
+    max_processes: int = 16
+    """Mode ``bwrap``: processes and threads a run may have at once, its interpreter included (RLIMIT_NPROC
+    in the run's own user namespace)."""
     max_output: int = 1024
     """Bytes of stdout + stderr kept; a run that prints more is stopped ("error: output limit exceeded")."""
     max_concurrent: int = 4
     """Sandboxes running at once (across all episodes); further tool calls wait for a free one."""
+
+    def check(self) -> None:
+        """Refuse an ``agentflow.sandbox.*`` value out of range (whether this host can give the mode's
+        isolation is :func:`lightning_fasync.agents.sandbox.check_config`'s to say)."""
+        if self.mode not in SANDBOX_MODES:
+            raise ConfigError(f"`agentflow.sandbox.mode` is {self.mode!r}; it must be one of {', '.join(SANDBOX_MODES)}.")
+        for key, value in asdict(self).items():
+            if key != "mode" and not value > 0:
+                raise ConfigError(f"`agentflow.sandbox.{key}` is {value}; it must be > 0.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,9 +163,10 @@ class DataSourceConfig:
     reward_timeout: float = 30.0
     """Seconds one reward call may take; past it the trajectory fails under the group policy
     (counted in ``rollout/reward_failed``)."""
-    reward_processes: int = 0
+    reward_processes: Optional[int] = None
     """Run synchronous rewards in a pool of this many processes (CPU-heavy verifiers; a reward that
-    hangs is killed); 0: in threads, off the producer's event loop."""
+    hangs is killed); 0: in threads, off the producer's event loop; null: processes (min(4, cores))
+    for a reward marked ``cpu_bound`` (``math_reward``), threads for any other."""
     path: Optional[str] = None
     """Prompts from local files instead of ``task``: a parquet, jsonl or json file, or a directory
     of them, read with Hugging Face ``datasets`` (no hub access)."""
@@ -173,8 +201,10 @@ class DataSourceConfig:
             raise ConfigError(f"`{key}.format` is {self.format!r}; it must be parquet, json, jsonl or null (from the extension).")
         if not self.reward_timeout > 0:
             raise ConfigError(f"`{key}.reward_timeout` is {self.reward_timeout}; it must be > 0 seconds.")
-        if self.reward_processes < 0:
-            raise ConfigError(f"`{key}.reward_processes` is {self.reward_processes}; it must be >= 0 (0: threads).")
+        if self.reward_processes is not None and self.reward_processes < 0:
+            raise ConfigError(
+                f"`{key}.reward_processes` is {self.reward_processes}; it must be >= 0 (0: threads) or null (auto)."
+            )
         if self.max_prompt_length is not None and self.max_prompt_length <= 0:
             raise ConfigError(f"`{key}.max_prompt_length` is {self.max_prompt_length}; it must be a positive integer or null.")
 
@@ -266,6 +296,37 @@ class SGLangArgs:
 
 
 @dataclass
+class VLLMArgs:
+    """``rollout.vllm_args.*``: ``rollout.backend: vllm``, one vLLM OpenAI server per replica (docs/backends.md, "vLLM")."""
+
+    python: Optional[str] = None
+    """The Python interpreter that has vLLM and this package (``pip install --no-deps lightning-fasync``
+    for the ``fasync-gloo`` transfer engine); None: ``$FASYNC_VLLM_PYTHON``, else this one."""
+    dtype: str = "float32"
+    """The weights' dtype on the servers (vLLM ``--dtype``); the trainer's pushed weights are cast to it."""
+    max_num_seqs: Optional[int] = None
+    """Requests a server runs at once (vLLM ``--max-num-seqs``); None keeps vLLM's default."""
+    kv_cache_gib: float = 1.0
+    """CPU servers only: GiB of KV cache per server (``VLLM_CPU_KVCACHE_SPACE``)."""
+    gpu_memory_utilization: Optional[float] = None
+    """GPU servers only: fraction of GPU memory for weights and KV cache (vLLM ``--gpu-memory-utilization``)."""
+    tensor_parallel_size: int = 1
+    """GPU servers only: GPUs per server (vLLM ``--tensor-parallel-size``)."""
+    enforce_eager: bool = True
+    """Pass ``--enforce-eager`` (no graph capture: a faster start; CPU servers gain nothing from graphs here)."""
+    weight_transfer: str = "fasync-gloo"
+    """vLLM's weight-transfer engine (``--weight-transfer-config``): ``fasync-gloo``, this package's gloo
+    broadcast, which runs on CPU and GPU servers alike."""
+    check_weights: bool = True
+    """After every weight sync, compare each server's log-probs of a fixed 16-token probe with the
+    pushed weights' own (one forward of the probe on the trainer's rank 0, each sync); false skips it."""
+    port: Optional[int] = None
+    """Port of the first server on 127.0.0.1 (server i listens on port + i); None: free ports."""
+    extra: Union[dict[str, Any], list[str]] = field(default_factory=dict)
+    """More ``vllm.entrypoints.openai.api_server`` arguments, as ``rollout.sglang_args.extra`` takes them."""
+
+
+@dataclass
 class EngineRestartConfig:
     """``rollout.engine_restart.*``: what happens when an engine replica dies, hangs or its router dies."""
 
@@ -310,6 +371,8 @@ class RolloutConfig:
     """On restore, loss-mask response tokens generated by older weight versions. Needs partial."""
     sglang_args: SGLangArgs = field(default_factory=SGLangArgs)
     """Engine server arguments."""
+    vllm_args: VLLMArgs = field(default_factory=VLLMArgs)
+    """``rollout.backend: vllm`` only: the vLLM servers' arguments."""
     max_response_length: int = 1024
     """Maximum number of response tokens per trajectory."""
     temperature: float = 1.0
@@ -343,8 +406,8 @@ class RolloutConfig:
     backend: str = "embedded"
     """Who runs the rollout engines (docs/backends.md): ``embedded`` (this package's engine, started per
     replica), ``sglang`` (one ``python -m sglang.launch_server`` per replica of ``rollout.sglang_replicas``
-    on its GPUs, sglang-router in front of several) or ``external`` (servers someone else runs, at
-    ``rollout.engine_urls``)."""
+    on its GPUs, sglang-router in front of several), ``vllm`` (one vLLM OpenAI server per replica,
+    ``rollout.vllm_args``) or ``external`` (servers someone else runs, at ``rollout.engine_urls``)."""
     engine_urls: list[str] = field(default_factory=list)
     """``rollout.backend: external`` only: every server's URL (``http://host:port``); weight updates,
     pauses and aborts go to each."""
@@ -420,9 +483,7 @@ class AgentFlowConfig:
                 raise ConfigError(f"`agentflow.tools[{i}]` is {name!r}; it must be one of {', '.join(TOOLS)}.")
         if len(set(self.tools)) != len(self.tools):
             raise ConfigError(f"`agentflow.tools` is {self.tools!r}; each tool may be listed once.")
-        for key, value in asdict(self.sandbox).items():
-            if not value > 0:
-                raise ConfigError(f"`agentflow.sandbox.{key}` is {value}; it must be > 0.")
+        self.sandbox.check()
 
 
 @dataclass

@@ -6,11 +6,12 @@ registered entry (window, engine backend, weight-sync path) is checked against i
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import warnings
 from typing import Sequence
 
-from lightning_fasync.config.schema import FasyncConfig, SGLangArgs
+from lightning_fasync.config.schema import FasyncConfig, SGLangArgs, VLLMArgs
 from lightning_fasync.errors import ConfigError, ConfigWarning
 from lightning_fasync.registry import ENGINE_BACKENDS, WEIGHT_PATHS, WINDOWS, weight_sync_choices
 
@@ -46,6 +47,14 @@ def validate_backend(cfg: FasyncConfig) -> None:
                 raise ConfigError(
                     f"`rollout.sglang_args.{key}` is {getattr(sa, key)!r} while `rollout.backend` is {ro.backend}; it "
                     "is an argument of the SGLang servers the plugin launches, used only with rollout.backend: sglang."
+                )
+    if ro.backend != "vllm":
+        defaults_v = VLLMArgs()
+        for key in (f.name for f in dataclasses.fields(VLLMArgs)):
+            if getattr(ro.vllm_args, key) != getattr(defaults_v, key):
+                raise ConfigError(
+                    f"`rollout.vllm_args.{key}` is {getattr(ro.vllm_args, key)!r} while `rollout.backend` is {ro.backend}; "
+                    "it is an argument of the vLLM servers the plugin launches, used only with rollout.backend: vllm."
                 )
     backend = ENGINE_BACKENDS.get(ro.backend)
     if backend.check_config is not None:

@@ -16,6 +16,11 @@ Two shapes the tests cover (``data_source.*`` keys in brackets)::
 The rendering helpers (:func:`chat_messages`, :func:`render_prompt`) and :func:`stop_token_ids`
 are shared with :mod:`lightning_fasync.data.gym`. No hub access: ``datasets`` builds in a
 temporary cache that is removed once the records are in memory.
+
+A file ``datasets`` cannot read (empty, blank lines only, not UTF-8, a line that is not JSON, not
+a parquet file, a parquet file without rows) is refused with a
+:class:`~lightning_fasync.errors.ConfigError` that names the file, and the line where there is
+one, rather than with the error ``datasets`` or pyarrow raised from inside.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import sys
 import tempfile
 from typing import Any, Optional, Sequence
 
+from lightning_fasync.errors import ConfigError
 from lightning_fasync.pipeline.datasource import ListDataSource
 
 __all__ = ["FileDataSource", "chat_messages", "policy_stop_token_ids", "render_prompt", "stop_token_ids"]
@@ -39,7 +45,8 @@ FORMATS: dict[str, tuple[str, ...]] = {
 }
 # End-of-turn tokens of common chat templates (ChatML, Llama 3, Phi-3, Gemma).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
-_GSM8K_ANSWER = re.compile(r"\n####\s*(\S[^\n]*)\s*$")
+# GSM8K: "reasoning...\n#### 72", or a bare "#### 72".
+_GSM8K_ANSWER = re.compile(r"(?:^|\n)\s*####\s*(\S[^\n]*)\s*$")
 
 Prompt = tuple[list[int], dict[str, Any]]
 
@@ -180,7 +187,7 @@ def _lookup(record: dict[str, Any], dotted: str, index: int, key: str) -> Any:
 
 def _answer_text(value: Any) -> str:
     if isinstance(value, str):
-        match = _GSM8K_ANSWER.search(value)  # GSM8K: "reasoning...\n#### 72" -> "72"
+        match = _GSM8K_ANSWER.search(value)  # GSM8K: "reasoning...\n#### 72" (or "#### 72") -> "72"
         return match.group(1).strip() if match else value
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
@@ -214,20 +221,113 @@ def _resolve_files(path: str, format: Optional[str]) -> tuple[list[str], str]:
     return files, "json" if format == "jsonl" else format
 
 
+def _first_line(exc: BaseException) -> str:
+    """``Type: first sentence of the message`` (at most 200 characters)."""
+    text = re.split(r"(?<=\.)\s|\n", str(exc).strip(), maxsplit=1)[0].rstrip(".")
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
+def _parquet_problem(file: str) -> Optional[str]:
+    """What makes ``file`` unreadable as parquet records, or None."""
+    import pyarrow.parquet as pq
+
+    if os.path.getsize(file) == 0:
+        return "is empty (0 bytes), not a parquet file"
+    try:
+        rows = pq.ParquetFile(file).metadata.num_rows
+    except Exception as exc:  # pyarrow's ArrowInvalid, OSError
+        return f"is not a parquet file ({_first_line(exc)})"
+    return "has no rows" if rows == 0 else None
+
+
+def _json_problem(file: str) -> Optional[str]:
+    """What makes ``file`` unreadable as JSON records (one object per line, or a JSON list of
+    objects, or one object), or None."""
+    with open(file, "rb") as fh:
+        data = fh.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        return f"is not UTF-8 text: line {line} has the byte 0x{data[exc.start]:02x} at column {column}"
+    if not text.strip():
+        return "has only blank lines, no records" if text else "is empty (0 bytes), no records"
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError as doc_error:
+        lines = text.splitlines()
+        first = next(i for i, line in enumerate(lines) if line.strip())
+        try:
+            json.loads(lines[first])
+        except json.JSONDecodeError:  # not JSON lines: one document, broken
+            return f"is not JSON: line {doc_error.lineno}, column {doc_error.colno}: {doc_error.msg}"
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                return f"has a line that is not JSON: line {number}, column {exc.colno}: {exc.msg}"
+            if not isinstance(record, dict):
+                kind = type(record).__name__
+                return f"has a line that is not a JSON object (a record): line {number} is {kind} {line.strip()[:40]!r}"
+        return None
+    if isinstance(whole, list):
+        if not whole:
+            return "holds an empty JSON list, no records"
+        bad = next((i for i, record in enumerate(whole) if not isinstance(record, dict)), None)
+        if bad is not None:
+            return f"holds a JSON list whose item {bad} is not an object (a record) but {type(whole[bad]).__name__}"
+    elif not isinstance(whole, dict):
+        return f"holds a JSON {type(whole).__name__}, not records"
+    return None
+
+
+def _unreadable(files: list[str], builder: str, exc: BaseException) -> ConfigError:
+    """The error for files ``datasets`` could not read: the first file found wrong, and why."""
+    for file in files:
+        try:
+            problem = _parquet_problem(file) if builder == "parquet" else _json_problem(file)
+        except OSError as err:
+            problem = f"cannot be read ({_first_line(err)})"
+        if problem:
+            return ConfigError(f"`data_source.path` file {file!r} {problem}.")
+    while exc.__cause__ is not None:  # datasets wraps the reader's error: say that one
+        exc = exc.__cause__
+    named = repr(files[0]) if len(files) == 1 else f"{files[0]!r} (and {len(files) - 1} more)"
+    return ConfigError(f"`data_source.path` file {named} cannot be read as {builder} records ({_first_line(exc)}).")
+
+
 def _read_records(files: list[str], builder: str, columns: list[str]) -> list[dict[str, Any]]:
+    """The records of ``files``, read with ``datasets`` (in memory).
+
+    Raises:
+        ConfigError: A file is not readable as records (see :func:`_unreadable`).
+    """
+    import logging
+
     import datasets
 
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    # datasets logs its reader's error before raising it; ours names the file and says it once.
+    log = logging.getLogger("datasets")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
     try:
         with tempfile.TemporaryDirectory(prefix="fasync-datasets-") as cache:
             ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache, keep_in_memory=True)
+        if ds.num_rows and all(c in ds.column_names for c in columns):
+            ds = ds.select_columns(columns)  # only what is read: memory and time on large files
+        # Strings are decoded here: pyarrow reads a non-UTF-8 file without complaint.
+        return ds.to_list()
+    except Exception as exc:  # StopIteration, UnicodeDecodeError, ArrowInvalid, DatasetGenerationError, ...
+        raise _unreadable(files, builder, exc) from exc
     finally:
+        log.setLevel(level)
         if bars:
             datasets.enable_progress_bars()
-    if ds.num_rows and all(c in ds.column_names for c in columns):
-        ds = ds.select_columns(columns)  # only what is read: memory and time on large files
-    return ds.to_list()
 
 
 class FileDataSource(ListDataSource):

@@ -200,6 +200,7 @@ class Engine:
         self._stopping = False
         self.fatal_error: Optional[BaseException] = None
         self.steps = 0
+        self.generated_tokens = 0  # output tokens sampled since start (engine thread writes)
         self.decode_retractions = 0  # requests sent back to the queue because the KV pool was full
         self.enable_memory_saver = enable_memory_saver
         self.released_tags: set[str] = set()  # engine thread writes; see release_memory_occupation
@@ -270,8 +271,9 @@ class Engine:
         if req.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num must be >= 0, got {req.top_logprobs_num}.")
         bad = [t for t in (req.token_ids_logprob or []) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token_ids_logprob holds {bad[0]}, outside the vocabulary [0, {self.vocab_size}).")
+        if bad:  # SGLang's message (tokenizer_manager._validate_token_ids_logprob)
+            raise ValueError(f"token_ids_logprob contains out-of-vocabulary token id {bad[0]}; "
+                             f"valid range is [0, {self.vocab_size}).")
 
     def submit(self, req: EngineRequest) -> None:
         """Queue a request; ``req.on_finish`` fires on completion. Raises ``ValueError`` if invalid."""
@@ -762,6 +764,7 @@ class Engine:
         if extras:
             self._token_extras(batch, logits, extras, banned)
         version = self.weight_version
+        self.generated_tokens += len(batch)
         for req, token, logprob in zip(batch, tokens, logprobs):
             out = req.output_ids
             out.append(token)

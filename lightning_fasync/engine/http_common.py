@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from typing import Any, Optional
 
 from aiohttp import web
@@ -47,12 +48,23 @@ ENGINE_WATCH_S = 5.0  # how often a waiting handler checks that the engine is st
 
 
 class Submitted:
-    """Items of one call submitted to the engine, with their completion futures and stream progress."""
+    """Items of one call submitted to the engine, with their completion futures and stream progress.
+
+    As SGLang's tokenizer manager (``_init_req_state``), the call's rids (one per prompt, before the
+    ``n`` samples expand it) are held as in flight from the submission until the last of their items
+    finishes; a call that reuses a rid in flight is refused with SGLang's 400. Each item that finishes
+    is counted in the server's request metrics (when ``--enable-metrics``).
+    """
 
     def __init__(self, request: web.Request, items: list[protocol.GenItem], streaming: bool = False) -> None:
         self.engine = request.app[ENGINE_KEY]
-        self.tokenizer = request.app[STATE_KEY]["tokenizer"]
+        state = request.app[STATE_KEY]
+        self.tokenizer = state["tokenizer"]
+        self.in_flight: dict[str, Submitted] = state.setdefault("rids_in_flight", {})
+        self.metrics = state.get("metrics")
+        self.streaming = streaming
         self.items = items
+        self.left = Counter(item.client_rid for item in items)  # unfinished items per rid
         self.loop = asyncio.get_running_loop()
         self.wake = asyncio.Event()
         self.done: list[asyncio.Future] = [self.loop.create_future() for _ in items]
@@ -65,10 +77,17 @@ class Submitted:
             ))
 
     def _finisher(self, i: int) -> Any:
+        rid = self.items[i].client_rid
+
         def on_finish(req: Any) -> None:  # engine thread
             def settle() -> None:
                 if not self.done[i].done():
                     self.done[i].set_result(req)
+                    self._release(rid)
+                    if self.metrics is not None:
+                        self.metrics.observe(len(req.input_ids), len(req.output_ids),
+                                             (req.finished_at or req.created_at) - req.created_at, self.streaming,
+                                             (req.finish_reason or {}).get("type") == "abort")
                 self.wake.set()
 
             self.loop.call_soon_threadsafe(settle)
@@ -85,20 +104,36 @@ class Submitted:
         return on_token
 
     def submit(self) -> Optional[tuple[int, str]]:
-        """Submit every item, all or nothing: a bad one raises ``BadRequest`` (none runs); a dead
-        engine gives ``(503, message)``."""
+        """Submit every item, all or nothing: a bad one, or a rid already in flight, raises
+        ``BadRequest`` (none runs); a dead engine gives ``(503, message)``."""
+        for rid in self.left:
+            if rid in self.in_flight:  # SGLang's message (TokenizerManager._init_req_state)
+                raise BadRequest(f"Duplicate request ID detected: {rid}")
+        self.in_flight.update(dict.fromkeys(self.left, self))
         submitted = []
         try:
             for req in self.reqs:
                 self.engine.submit(req)
                 submitted.append(req)
         except (ValueError, EngineDeadError) as exc:
+            self.metrics = None  # a refused call is not counted, as in SGLang
+            for rid in list(self.left):
+                self.left[rid] = 0
+                self._release(rid, force=True)
             if submitted and self.engine.alive:
                 self.engine.cancel(submitted)
             if isinstance(exc, EngineDeadError):
                 return 503, str(exc)
             raise BadRequest(str(exc)) from None
         return None
+
+    def _release(self, rid: str, force: bool = False) -> None:
+        """One item of ``rid`` finished: once all have (or ``force``), the rid is free again, if this
+        call still holds it."""
+        if not force:
+            self.left[rid] -= 1
+        if self.left[rid] <= 0 and self.in_flight.get(rid) is self:
+            del self.in_flight[rid]
 
     async def finish(self) -> Optional[tuple[int, str]]:
         """Wait for every item; ``(status, message)`` of the first that failed, or None.
@@ -147,11 +182,13 @@ def failure_of(req: Any) -> Optional[tuple[int, str]]:
 
 
 async def apply_update(request: web.Request, tensors: dict[str, Any], version: Optional[str], abort: bool,
-                        flush: bool = False) -> web.Response:
+                        flush: bool = False, failure_fields: Optional[dict[str, Any]] = None) -> web.Response:
     """Load ``tensors`` between two decode steps. With ``flush`` on a paused engine whose requests
     still hold the cache (an ``in_place`` pause) the update fails after loading, as SGLang 0.5.23's
     ``flush_cache_after_weight_update`` does (unpaused, SGLang waits for running requests first;
-    this engine loads in place and they go on)."""
+    this engine loads in place and they go on). ``failure_fields`` join a failure's body (the
+    endpoint's own fields in SGLang's answer)."""
+    extra = failure_fields or {}
     engine = request.app[ENGINE_KEY]
     if abort:
         await blocking(engine.abort, "", True)
@@ -159,7 +196,7 @@ async def apply_update(request: web.Request, tensors: dict[str, Any], version: O
         async with request.app[STATE_KEY]["weights_lock"]:  # never while /weights_checker reads them
             n = await blocking(engine.update_weights, tensors, version)
     except ValueError as exc:
-        return web.json_response({"success": False, "message": str(exc)}, status=400)
+        return web.json_response({"success": False, "message": str(exc), **extra}, status=400)
     finally:
         tensors.clear()  # drop shared-memory and IPC mappings now, not at the next collection
     state = request.app[STATE_KEY]
@@ -168,7 +205,7 @@ async def apply_update(request: web.Request, tensors: dict[str, Any], version: O
     if flush and engine.paused and not (await blocking(engine.flush_cache))[0]:
         return web.json_response({"success": False, "message": (
             "Weights were updated, but the cache was not flushed because requests are still running or queued. "
-            "Retract or finish them, then call /flush_cache.")}, status=400)
+            "Retract or finish them, then call /flush_cache."), **extra}, status=400)
     return web.json_response(
         {"success": True, "message": f"Updated {n} tensors; weight_version={engine.weight_version}.", "num_paused_requests": 0}
     )

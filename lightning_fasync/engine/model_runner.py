@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -42,8 +43,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 PREFILL_MAX_TOKENS = 8192  # padded tokens per batched prefill forward
 # Tokens per KV block. SGLang defaults to 1 (its kernels read token by token); the embedded engine
 # gathers whole blocks with one index_select per layer, which copies rows of page_size x head_dim
-# at memory speed, at the cost of at most page_size - 1 masked positions per request.
+# at memory speed, at the cost of at most page_size - 1 masked positions per request, and hands a
+# request a block every page_size decode steps instead of every step: page 1 makes the tiny
+# preset's decode ~15 % slower (docs/engine.md). Without --page-size the pool takes the largest of
+# these with which it holds one request of context_length tokens, so every pool that holds one
+# request at page 1 (--max-total-tokens >= --context-length) starts.
 DEFAULT_PAGE_SIZE = 16
+PAGE_SIZE_FALLBACKS = (8, 4, 2, 1)
 # --mem-fraction-static when not given. CPU: weights + KV pool may take 40 % of the memory available
 # at start, leaving the rest to the trainer and the activations on the same machine. CUDA: SGLang's
 # rule without CUDA graphs, (total - reserved) / total, reserving ~3.6 GiB (10 GiB on > 60 GiB devices).
@@ -66,6 +72,10 @@ def _linear_residual(x: torch.Tensor, a: torch.Tensor, linear: Any) -> torch.Ten
 
 class KVCacheTooLargeError(ValueError):
     """The KV pool and the weights do not fit the memory budget, or the pool cannot hold one request."""
+
+
+class _PoolBelowOneRequest(KVCacheTooLargeError):
+    """The pool holds fewer tokens than one request of ``context_length`` (in whole pages)."""
 
 
 def _available_bytes(device: torch.device) -> Optional[int]:
@@ -155,6 +165,8 @@ def plan_kv_pool(
     Args:
         available_bytes: None when unknown: no budget, the pool is ``max_total_tokens`` or the
             ``max_slots x context_length`` cap.
+        page_size: None: ``DEFAULT_PAGE_SIZE``, or the largest of ``PAGE_SIZE_FALLBACKS`` with which
+            the pool holds one request (only a page size given is refused for that).
 
     Raises:
         KVCacheTooLargeError: the weights alone exceed the budget, ``max_total_tokens`` does not fit
@@ -162,7 +174,18 @@ def plan_kv_pool(
             names the flags and the numbers.
         ValueError: a non-positive size or a fraction outside (0, 1].
     """
-    page_size = DEFAULT_PAGE_SIZE if page_size is None else page_size
+    if page_size is None:
+        sizes = (DEFAULT_PAGE_SIZE, *PAGE_SIZE_FALLBACKS)
+        kwargs = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, weight_bytes=weight_bytes,
+                      available_bytes=available_bytes, max_slots=max_slots, context_length=context_length,
+                      device_type=device_type, max_total_tokens=max_total_tokens,
+                      mem_fraction_static=mem_fraction_static)
+        for size in sizes:
+            try:
+                return plan_kv_pool(page_size=size, **kwargs)
+            except _PoolBelowOneRequest:
+                if size == sizes[-1]:
+                    raise
     if page_size < 1:
         raise ValueError(f"--page-size is {page_size}; it must be at least 1.")
     if max_total_tokens is not None and max_total_tokens < 1:
@@ -203,7 +226,7 @@ def plan_kv_pool(
                 source = (f"the {room / gib:.2f} GiB that the weights' {weight_bytes / gib:.2f} GiB leave of "
                           f"{budget_words}, at {per_token_words}")
     if tokens < one_request:
-        raise KVCacheTooLargeError(
+        raise _PoolBelowOneRequest(
             f"The KV pool holds {tokens} tokens ({source}), fewer than the {one_request} tokens one request of "
             f"--context-length {context_length} takes in pages of --page-size {page_size}; raise "
             "--mem-fraction-static or --max-total-tokens, or lower --context-length."
@@ -227,7 +250,8 @@ class ModelRunner:
         model: A Hugging Face ``*ForCausalLM`` of a supported architecture.
         max_slots: Rows of the block table (the engine's ``max_running_requests``).
         context_length: Tokens per request at most (prompt + response).
-        page_size: Tokens per block (SGLang's ``--page-size``); default ``DEFAULT_PAGE_SIZE``.
+        page_size: Tokens per block (SGLang's ``--page-size``); default ``DEFAULT_PAGE_SIZE``, or
+            a smaller one where the pool would hold less than one request (:func:`plan_kv_pool`).
         max_total_tokens: The pool's size in tokens (SGLang's ``--max-total-tokens``); default: from
             the memory budget (see :func:`plan_kv_pool`).
         mem_fraction_static: Share of the memory available at start that weights + pool may take
@@ -310,7 +334,9 @@ class ModelRunner:
             weight_bytes=weights, available_bytes=None if free is None else free + weights, max_slots=max_slots,
             context_length=context_length, device_type=self.device.type, page_size=page_size,
             max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static)
+        start = time.perf_counter()
         self._init_pool()
+        self.kv_pool_init_s = time.perf_counter() - start  # /server_info's startup_time.kv_cache_allocation
 
     def _init_pool(self) -> None:
         """Allocate the block pool, the block table and the views the forward passes use.

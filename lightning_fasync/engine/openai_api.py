@@ -1,5 +1,5 @@
-"""OpenAI-compatible endpoints of the embedded engine: ``/v1/models``, ``/v1/completions`` and
-``/v1/chat/completions``.
+"""OpenAI-compatible endpoints of the embedded engine: ``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions``, and ``/tokenize`` and ``/detokenize`` (also under ``/v1``).
 
 Fields, response shapes and messages follow SGLang 0.5.23 (``srt/entrypoints/openai/protocol.py``,
 ``serving_completions.py``, ``serving_chat.py``). As SGLang does, a request becomes the items a
@@ -145,8 +145,7 @@ def _refuse_unsupported(body: dict[str, Any], table: dict[str, Any]) -> None:
     for name, default in table.items():
         value = body.get(name)
         if value is not None and value != default and not (value in ([], {}, "") and default is None):
-            raise BadRequest(f"`{name}`={value!r:.80} is not supported by the embedded engine "
-                             f"(only {'null' if default is None else repr(default)} is accepted).")
+            raise protocol.unsupported(name, value, "null" if default is None else repr(default))
     for name in _DP_RANK_FIELDS:
         if body.get(name) not in (None, 0):
             raise BadRequest(f"`{name}`={body[name]!r} does not exist: this server is a single data-parallel rank (0).")
@@ -189,6 +188,7 @@ def _rids(body: dict[str, Any], batch: int, is_single: bool) -> tuple[str, list[
     if isinstance(rid, str):
         return rid, [rid] if is_single else [f"{rid}_{i}" for i in range(batch)]
     if isinstance(rid, list) and len(rid) == batch and all(isinstance(r, str) for r in rid):
+        protocol.check_unique_rids(rid)
         return rid[0], list(rid)
     raise BadRequest(f"`rid` must be a string or a list of {batch} strings (one per prompt).")
 
@@ -487,15 +487,14 @@ def _parse_completion(body: dict[str, Any], tokenizer: Any) -> _CompletionCall:
     """Validate a ``/v1/completions`` body (SGLang's ``CompletionRequest``)."""
     _refuse_unsupported(body, _UNSUPPORTED_COMPLETION)
     if protocol.opt(body, "response_format", dict, {}).get("type", "text") != "text":
-        raise BadRequest(f"`response_format`={body['response_format']!r:.80} is not supported by the embedded "
-                         "engine (no constrained decoding; only type 'text' is accepted).")
+        raise protocol.unsupported("response_format", body["response_format"], "type 'text'")
     prompts, texts, is_single = _completion_prompts(body.get("prompt"), tokenizer)
     extra = {"json_schema": body["json_schema"]} if body.get("json_schema") is not None else {}
     sampling = _sampling(body, _positive(body, "max_tokens", 16), extra)
     n = sampling[1]["n"]
     best_of = protocol.opt(body, "best_of", int, n)
     if best_of != n:
-        raise BadRequest(f"`best_of`={best_of} is not supported by the embedded engine (only null or n={n}).")
+        raise protocol.unsupported("best_of", best_of, f"null or n={n}")
     logprobs = protocol.opt(body, "logprobs", int, None)
     if logprobs is not None and logprobs < 0:
         raise BadRequest(f"`logprobs` must be >= 0, got {logprobs}.")
@@ -617,12 +616,15 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+def _chat_prompt(body: dict[str, Any], tokenizer: Any, add_generation_prompt: Optional[bool] = None,
+                 add_special_tokens: bool = False) -> list[int]:
     """The prompt ids: ``input_ids`` as given, or the messages rendered by the chat template.
 
     As SGLang: the template's text is encoded without special tokens (the template writes its own);
     a last assistant message becomes a user message, or with ``continue_final_message`` the start of
-    the reply (its text appended after the generation prompt).
+    the reply (its text appended after the generation prompt). ``add_generation_prompt`` given
+    (``/tokenize``'s field): the messages are rendered as given, with it passed to the template, and
+    encoded with ``add_special_tokens``.
     """
     messages = _template_messages(body.get("messages"))
     tools, template_kwargs = _chat_tools(body), _template_kwargs(body)
@@ -632,17 +634,20 @@ def _chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
         raise BadRequest("`messages` cannot be rendered: the model's tokenizer has no chat template "
                          "(send `input_ids`, or a prompt to /v1/completions).")
     prefix = None
-    if messages[-1]["role"] == "assistant":
-        if protocol.opt(body, "continue_final_message", bool, False):
+    continue_final = protocol.opt(body, "continue_final_message", bool, False)
+    if continue_final and add_generation_prompt is False:
+        raise BadRequest("continue_final_message needs add_generation_prompt to open the assistant turn.")
+    if messages[-1]["role"] == "assistant" and (add_generation_prompt is None or continue_final):
+        if continue_final:
             prefix = messages.pop()["content"]
         else:
             messages[-1] = {"role": "user", "content": messages[-1]["content"]}
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                             **template_kwargs)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt is not False, **template_kwargs)
     except (jinja2.TemplateError, TypeError) as exc:
         raise BadRequest(f"The chat template failed on `messages`: {exc}") from None
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
     if prefix:
         ids += tokenizer(prefix, add_special_tokens=False)["input_ids"]
     return ids
@@ -659,11 +664,9 @@ def _parse_chat(body: dict[str, Any], tokenizer: Any, engine: Any) -> _ChatCall:
     """Validate a ``/v1/chat/completions`` body (SGLang's ``ChatCompletionRequest``)."""
     _refuse_unsupported(body, _UNSUPPORTED_CHAT)
     if any(m != "text" for m in protocol.opt(body, "modalities", list, [])):
-        raise BadRequest(f"`modalities`={body['modalities']!r:.80} is not supported by the embedded engine "
-                         "(only text).")
+        raise protocol.unsupported("modalities", body["modalities"], "['text']")
     if protocol.opt(body, "response_format", dict, {}).get("type", "text") != "text":
-        raise BadRequest(f"`response_format`={body['response_format']!r:.80} is not supported by the embedded "
-                         "engine (no constrained decoding; only type 'text' is accepted).")
+        raise protocol.unsupported("response_format", body["response_format"], "type 'text'")
     stream = protocol.opt(body, "stream", bool, False)
     flags = {name: protocol.opt(body, name, bool, False)
              for name in ("return_prompt_token_ids", "return_token_ids", "return_meta_info")}
@@ -774,9 +777,89 @@ async def _stream(request: web.Request, run: Submitted, call: _Call) -> web.Stre
     return response
 
 
+# ------------------------------------------------------------------------------ /tokenize, /detokenize
+
+
+def _tokenizer_of(request: web.Request, endpoint: str) -> Any:
+    tokenizer = request.app[STATE_KEY]["tokenizer"]
+    if tokenizer is None:
+        raise BadRequest(f"{endpoint} needs a tokenizer; this server has none.")
+    return tokenizer
+
+
+@_openai_errors
+async def tokenize(request: web.Request) -> web.Response:
+    """SGLang's ``POST /tokenize`` (and ``/v1/tokenize``): ``prompt`` (a string or a list of them) or
+    chat ``messages`` to token ids, as ``{"tokens", "count", "max_model_len"}`` (SGLang's
+    ``TokenizeRequest``/``TokenizeResponse``, ``serving_tokenize.py``)."""
+    body = await json_body(request)
+    tokenizer = _tokenizer_of(request, "/tokenize")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise BadRequest("Exactly one of 'prompt' or 'messages' must be provided.")
+    add_special_tokens = protocol.opt(body, "add_special_tokens", bool, True)
+    if messages is not None:
+        add_generation_prompt = protocol.opt(body, "add_generation_prompt", bool, None)
+        # With add_generation_prompt, special tokens are added only when asked for explicitly.
+        explicit = add_generation_prompt is not None and "add_special_tokens" in body and add_special_tokens
+        tokens: Any = _chat_prompt({**body, "input_ids": None}, tokenizer, add_generation_prompt, explicit)
+        count: Any = len(tokens)
+    elif isinstance(prompt, str):
+        tokens = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        count = len(tokens)
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        tokens = [list(tokenizer.encode(p, add_special_tokens=add_special_tokens)) for p in prompt]
+        count = [len(t) for t in tokens]
+    else:
+        raise BadRequest(f"Invalid prompt type: {type(prompt)}. Expected str or List[str].")
+    max_model_len = getattr(tokenizer, "model_max_length", -1)
+    if isinstance(max_model_len, int) and not -(2**63) <= max_model_len < 2**64:  # HF's "no limit" sentinel
+        max_model_len = request.app[ENGINE_KEY].context_length
+    return web.json_response({"tokens": tokens, "count": count, "max_model_len": max_model_len})
+
+
+@_openai_errors
+async def detokenize(request: web.Request) -> web.Response:
+    """SGLang's ``POST /detokenize`` (and ``/v1/detokenize``): ``tokens`` (a list of ids, or a list of
+    such lists) to ``{"text"}`` (a string, or a list of them), ``skip_special_tokens`` by default."""
+    body = await json_body(request)
+    tokenizer = _tokenizer_of(request, "/detokenize")
+    tokens = protocol.req(body, "tokens", list)
+    skip = protocol.opt(body, "skip_special_tokens", bool, True)
+
+    def ints(values: list[Any]) -> bool:
+        return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
+
+    try:
+        if not tokens:
+            text: Any = ""
+        elif isinstance(tokens[0], int) and not isinstance(tokens[0], bool):
+            if not ints(tokens):
+                raise BadRequest("Invalid input: 'tokens' must be a list of integers.")
+            text = tokenizer.decode(tokens, skip_special_tokens=skip)
+        elif isinstance(tokens[0], list):
+            text = []
+            for sub in tokens:
+                if not isinstance(sub, list) or not ints(sub):
+                    raise BadRequest(f"Invalid input: Sublist in 'tokens' must contain only integers. Found: {sub}")
+                text.append(tokenizer.decode(sub, skip_special_tokens=skip))
+        else:
+            raise BadRequest(f"Invalid tokens type: {type(tokens[0])}. Expected List[int] or List[List[int]].")
+    except (TypeError, ValueError, OverflowError) as exc:
+        if isinstance(exc, BadRequest):
+            raise
+        return _error_response(400, f"Error decoding tokens: {exc}. Input tokens might be invalid for the model.",
+                               err_type="DecodeError")
+    return web.json_response({"text": text})
+
+
 def add_routes(app: web.Application) -> None:
-    """Register ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``."""
+    """Register ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, and ``/tokenize`` and
+    ``/detokenize`` (each also under ``/v1``)."""
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    for prefix in ("", "/v1"):
+        app.router.add_post(prefix + "/tokenize", tokenize)
+        app.router.add_post(prefix + "/detokenize", detokenize)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -76,6 +77,42 @@ _SAMPLING_UNSUPPORTED: dict[str, Any] = {
     "watermark": None, "ebnf_full_assistant": False,
 }
 SAMPLING_FIELDS = _SAMPLING_IMPLEMENTED | set(_SAMPLING_UNSUPPORTED)
+
+# The feature each refused field asks for, named in the refusal (here and in the OpenAI routes).
+_MULTIMODAL = (
+    "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes", "use_audio_in_video", "video_config",
+    "modalities", "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+    "video_max_dynamic_patch", "images_config", "mm_processor_kwargs", "mm_data_mooncake",
+)
+UNSUPPORTED_FEATURES: dict[str, str] = {
+    **{name: "constrained decoding" for name in ("json_schema", "regex", "ebnf", "structural_tag",
+                                                   "ebnf_full_assistant", "response_format")},
+    **{name: "multimodal inputs" for name in _MULTIMODAL},
+    "lora_path": "LoRA adapters", "lora_id": "LoRA adapters",
+    "session_id": "sessions", "session_params": "sessions",
+    "input_embeds": "input embeddings", "positional_embed_overrides": "input embeddings",
+    "beam_width": "beam search", "watermark": "watermarking",
+    "custom_logit_processor": "custom logit processors",
+    "return_hidden_states": "returning hidden states",
+    "return_routed_experts": "returning routed experts (MoE)",
+    "routed_experts_start_len": "returning routed experts (MoE)",
+    "return_indexer_topk": "returning indexer top-k", "return_entropy": "returning entropy",
+    "return_bytes": "returning output bytes",
+    "return_sampling_mask": "sampling masks", "sampling_logprobs_mode": "sampling masks",
+    **{name: "flat raw top log-probs" for name in ("return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
+                                                   "return_flat_raw_top_logprobs_b64")},
+    **{name: "prefill-decode disaggregation" for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room",
+                                                          "bootstrap_pair_key", "decode_tp_size")},
+    "require_reasoning": "reasoning control", "max_thinking_tokens": "reasoning control",
+    "multi_item_delimiter_indices": "multi-item scoring", "token_indices_to_pool": "multi-item scoring",
+    "suffix": "suffixes (fill-in-the-middle)",
+    # OpenAI request fields of the chat route.
+    "return_input_ids_in_sglext": "returning token ids in sglext",
+    "return_output_ids_in_sglext": "returning token ids in sglext",
+    "functions": "legacy function calling", "function_call": "legacy function calling", "audio": "audio output",
+    "prediction": "predicted outputs", "web_search_options": "web search", "best_of": "best-of sampling",
+    "manifest": "partial weight loads (a tensor manifest)",
+}
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 MAX_STOP_COUNT = 32
 STOP_REGEX_WINDOW_TOKENS = 32  # stop_regex is matched against the decoded last tokens
@@ -114,14 +151,18 @@ def _is_unset(value: Any, default: Any) -> bool:
     return value is None or value == default or (isinstance(value, (str, list, dict)) and not value and not default)
 
 
+def unsupported(name: str, value: Any, accepted: str, prefix: str = "") -> BadRequest:
+    """The refusal of a field the engine does not implement: it names the field, its value, the
+    feature it asks for and what is accepted."""
+    feature = UNSUPPORTED_FEATURES.get(name)
+    what = f"the embedded engine does not support {feature}" if feature else "the embedded engine does not implement it"
+    return BadRequest(f"`{prefix}{name}`={value!r:.80} is not supported: {what} (only {accepted} is accepted).")
+
+
 def _refuse_unsupported(body: dict[str, Any], table: dict[str, Any], prefix: str) -> None:
     for name, default in table.items():
         if name in body and not _is_unset(body[name], default):
-            shown = "null" if default is None else repr(default)
-            raise BadRequest(
-                f"`{prefix}{name}`={body[name]!r:.80} is not supported by the embedded engine "
-                f"(only {shown} is accepted)."
-            )
+            raise unsupported(name, body[name], "null" if default is None else repr(default), prefix)
 
 
 # ---------------------------------------------------------------------------- parsed requests
@@ -132,7 +173,7 @@ class GenItem:
     """One prompt-and-sample of a ``/generate`` call (a batch and ``n`` expand into several)."""
 
     index: int
-    rid: str
+    rid: str  # the engine request's: ``<request_rid>_<k>`` for the k-th of n > 1 samples
     input_ids: list[int]
     sampling: dict[str, Any]  # EngineRequest keyword arguments
     stop_strs: list[str] = field(default_factory=list)
@@ -144,6 +185,11 @@ class GenItem:
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
+    request_rid: str = ""  # the prompt's rid as the client gave (or SGLang made) it; "" means ``rid``
+
+    @property
+    def client_rid(self) -> str:
+        return self.request_rid or self.rid
 
 
 @dataclass
@@ -272,6 +318,27 @@ def _merged(a: list[str], b: list[str]) -> list[str]:
     return a + [x for x in b if x not in a]
 
 
+def check_unique_rids(rids: list[str]) -> None:
+    """SGLang's check of one request's rids (``GenerateReqInput._validate_rid_uniqueness``): a rid
+    given to two prompts of a batch is refused with its message."""
+    if len(set(rids)) != len(rids):
+        counts = Counter(rids)
+        duplicates = [rid for rid, count in counts.items() if count > 1]
+        raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
+
+
+def _token_ids_logprob(value: Any, vocab_size: Optional[int]) -> list[int]:
+    """One prompt's ``token_ids_logprob``, with SGLang's checks and messages
+    (``TokenizerManager._validate_token_ids_logprob``; it checks them with or without ``return_logprob``)."""
+    if not isinstance(value, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in value):
+        raise BadRequest("token_ids_logprob must be a flat list of integers.")
+    for token in value:
+        if vocab_size is not None and not 0 <= token < vocab_size:
+            raise BadRequest(f"token_ids_logprob contains out-of-vocabulary token id {token}; "
+                             f"valid range is [0, {vocab_size}).")
+    return list(value)
+
+
 def _per_item(body: dict[str, Any], name: str, typ: type, default: Any, batch: int, is_single: bool) -> list[Any]:
     """A top-level field that SGLang takes as a scalar or, for a batch, one value per prompt."""
     value = body.get(name)
@@ -282,8 +349,9 @@ def _per_item(body: dict[str, Any], name: str, typ: type, default: Any, batch: i
     return [default if value is None else _check_type(name, value, typ)] * batch
 
 
-def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
-    """Validate a ``/generate`` body: single or batched prompts, ``n`` samples each, streaming or not."""
+def parse_generate(body: dict[str, Any], tokenizer: Any, vocab_size: Optional[int] = None) -> ParsedGenerate:
+    """Validate a ``/generate`` body: single or batched prompts, ``n`` samples each, streaming or not
+    (``vocab_size``: the model's, to check the token ids of ``token_ids_logprob``)."""
     check_fields(body, GENERATE_FIELDS, "/generate")
     _refuse_unsupported(body, _GENERATE_UNSUPPORTED, "")
     for name in _GENERATE_DP_RANK:
@@ -337,6 +405,7 @@ def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
         if len(rid) != batch:
             raise BadRequest(f"`rid` has {len(rid)} entries; the batch has {batch} prompts.")
         rids = list(rid)
+        check_unique_rids(rids)
     else:
         raise BadRequest("`rid` must be a string (or, for a batch, a list of strings).")
 
@@ -347,12 +416,14 @@ def parse_generate(body: dict[str, Any], tokenizer: Any) -> ParsedGenerate:
     tid = body.get("token_ids_logprob")
     if tid is None or tid == []:
         token_ids = [None] * batch
-    elif isinstance(tid, list) and isinstance(tid[0], list):
-        if is_single or len(tid) != batch:
+    elif not is_single and isinstance(tid, list) and isinstance(tid[0], list):  # one list per prompt
+        if len(tid) != batch:
             raise BadRequest(f"`token_ids_logprob` is a list of {len(tid)} lists; the batch has {batch} prompts.")
-        token_ids = [_token_list(f"token_ids_logprob[{i}]", t) or None for i, t in enumerate(tid)]
+        token_ids = [_token_ids_logprob(t, vocab_size) or None for t in tid]
+    elif not is_single and not isinstance(tid, list):  # SGLang wraps a batch's scalar: [[id]] per prompt
+        token_ids = [_token_ids_logprob([tid], vocab_size)] * batch
     else:
-        token_ids = [_token_list("token_ids_logprob", tid)] * batch
+        token_ids = [_token_ids_logprob(tid, vocab_size)] * batch
 
     items: list[GenItem] = []
     for b in range(batch):
@@ -384,7 +455,7 @@ def prompt_items(start: int, rid: str, input_ids: list[int], sampling: tuple[dic
     n = text["n"]
     return [
         GenItem(
-            index=start + k, rid=rid if n == 1 else f"{rid}_{k}", input_ids=input_ids,
+            index=start + k, rid=rid if n == 1 else f"{rid}_{k}", request_rid=rid, input_ids=input_ids,
             sampling={**engine_kw, **logprob}, stop_strs=text["stop_strs"], stop_regex=text["stop_regex"],
             no_stop_trim=text["no_stop_trim"], skip_special_tokens=text["skip_special_tokens"],
             spaces_between_special_tokens=text["spaces_between_special_tokens"],

@@ -49,7 +49,7 @@ async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResp
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     state = request.app[STATE_KEY]
-    parsed = protocol.parse_generate(await json_body(request), state["tokenizer"])
+    parsed = protocol.parse_generate(await json_body(request), state["tokenizer"], engine.vocab_size)
     run = Submitted(request, parsed.items, streaming=parsed.stream)
     failure = run.submit()
     if failure is None and parsed.stream:
@@ -152,9 +152,11 @@ async def continue_generation(request: web.Request) -> web.Response:
 def _load_safetensors(path: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model_path {path!r} does not exist")
     files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
-        raise BadRequest(f"No safetensors weights at {path!r} (only safetensors are loaded).")
+        raise FileNotFoundError(f"no safetensors weights at model_path {path!r} (only safetensors are loaded)")
     tensors: dict[str, Any] = {}
     for f in files:
         tensors.update(load_file(f))
@@ -203,14 +205,20 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         protocol.opt(body, name, bool, False)
     protocol.opt(body, "token_step", int, 0)
     if body.get("manifest") is not None:
-        raise BadRequest("`manifest` is not supported by the embedded engine (only null is accepted).")
+        raise protocol.unsupported("manifest", body["manifest"], "null")
     path = protocol.req(body, "model_path", str)
-    if not os.path.exists(path):
-        raise BadRequest(f"model_path {path!r} does not exist.")
-    tensors = await blocking(_load_safetensors, path)
     version = protocol.opt(body, "weight_version", str, None)
-    response = await apply_update(request, tensors, version, protocol.opt(body, "abort_all_requests", bool, False),
-                                   flush=protocol.opt(body, "flush_cache", bool, True))
+    abort = protocol.opt(body, "abort_all_requests", bool, False)
+    flush = protocol.opt(body, "flush_cache", bool, True)
+    # SGLang answers a load that fails (a missing path included) with its update body and 400:
+    # {"success": false, "message", "num_paused_requests": 0}, which clients read as ret["success"].
+    try:
+        tensors = await blocking(_load_safetensors, path)
+    except Exception as exc:  # noqa: BLE001 - the caller is told, as SGLang's model runner does
+        return web.json_response({"success": False, "message": f"Failed to get weights iterator: {exc}.",
+                                  "num_paused_requests": 0}, status=400)
+    response = await apply_update(request, tensors, version, abort, flush=flush,
+                                  failure_fields={"num_paused_requests": 0})
     if response.status == 200:
         request.app[STATE_KEY]["model_path"] = path
     return response
@@ -387,11 +395,39 @@ async def server_info(request: web.Request) -> web.Response:
             "device": str(engine.runner.device),
             "dtype": str(engine.runner.dtype).replace("torch.", ""),
             "internal_states": [{**engine.loads(), "memory_usage": engine.memory_usage()}],
+            # What SGLang merges in from its scheduler's handshake and its tokenizer manager.
+            "max_total_num_tokens": engine.runner.max_total_tokens,
+            "max_req_input_len": max_req_input_len(engine),
+            "startup_time": state["startup_time"],
             "version": SGLANG_API_VERSION,
             "frontend": "python",
             "engine": "lightning-fasync-embedded",
         }
     )
+
+
+def max_req_input_len(engine: Any) -> int:
+    """SGLang's ``max_req_input_len``: ``min(context length, KV pool tokens) - 1``, less its 5 reserved."""
+    return min(engine.context_length, engine.runner.max_total_tokens) - 1 - 5
+
+
+def startup_time_info(load_weight: float = 0.0, kv_cache_allocation: float = 0.0, scheduler_e2e: float = 0.0,
+                      tokenizer_e2e: float = 0.0) -> dict[str, Any]:
+    """``startup_time`` as SGLang 0.5.23 reports it (``srt/observability/startup_time.py``): seconds
+    per phase, and its CUDA-graph capture phases (0 here: the engine captures no graphs)."""
+    graph_phases = ("prefill", "decode", "target_verify", "draft_prefill", "draft_decode", "draft_extend")
+    return {"load_weight": load_weight, "kv_cache_allocation": kv_cache_allocation, "scheduler_e2e": scheduler_e2e,
+            "cuda_graph": dict.fromkeys(graph_phases, 0.0), "tokenizer_e2e": tokenizer_e2e}
+
+
+async def prometheus_metrics(request: web.Request) -> web.Response:
+    """SGLang's ``GET /metrics`` (with ``--enable-metrics``): see ``lightning_fasync/engine/metrics.py``."""
+    from lightning_fasync.engine import metrics
+
+    state = request.app[STATE_KEY]
+    text = metrics.render(request.app[ENGINE_KEY], state["metrics"], state["served_model_name"], state["startup_time"],
+                          state["started_at"])
+    return web.Response(body=text.encode(), headers={"Content-Type": metrics.CONTENT_TYPE})
 
 
 async def weight_version(request: web.Request) -> web.Response:
@@ -471,6 +507,8 @@ def build_app(
     api_key: Optional[str] = None,
     served_model_name: Optional[str] = None,
     require_weight_update_session: bool = True,
+    enable_metrics: bool = False,
+    startup_time: Optional[dict[str, Any]] = None,
 ) -> web.Application:
     """The aiohttp application serving ``engine`` with SGLang's native and OpenAI-compatible routes.
 
@@ -478,8 +516,10 @@ def build_app(
         require_weight_update_session: Refuse tensor and distributed weight updates outside
             ``/begin_weight_update`` ... ``/end_weight_update``, as SGLang 0.5.23 does; False
             accepts them as SGLang 0.5.15 does (``lightning_fasync/engine/weight_endpoints.py``).
+        enable_metrics: Serve Prometheus metrics at ``/metrics`` (SGLang's ``--enable-metrics``).
+        startup_time: ``/server_info``'s ``startup_time`` (:func:`startup_time_info`); zeros if None.
     """
-    from lightning_fasync.engine import openai_api, weight_endpoints
+    from lightning_fasync.engine import metrics, openai_api, weight_endpoints
 
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=64 * 1024**2)
     app[ENGINE_KEY] = engine
@@ -488,6 +528,9 @@ def build_app(
         "served_model_name": served_model_name or model_path,
         "require_weight_update_session": require_weight_update_session, "weight_update_session": None,
         "weights_lock": asyncio.Lock(),  # weight updates vs. /weights_checker
+        "rids_in_flight": {},  # rid -> the call holding it (http_common.Submitted)
+        "metrics": metrics.RequestMetrics() if enable_metrics else None,
+        "startup_time": startup_time or startup_time_info(), "started_at": time.monotonic(),
     }
     r = app.router
     r.add_post("/generate", generate)
@@ -514,6 +557,8 @@ def build_app(
     r.add_get("/health_generate", health_generate)
     r.add_get("/v1/loads", loads)
     r.add_get("/get_load", get_load)
+    if enable_metrics:
+        r.add_get("/metrics", prometheus_metrics)
     weight_endpoints.add_routes(app)
     openai_api.add_routes(app)
     return app
@@ -536,7 +581,9 @@ def parse_args(argv: Optional[list[str]] = None) -> Namespace:
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="The KV pool's size in tokens (SGLang's flag); default: from --mem-fraction-static, at most "
                         "--max-running-requests x --context-length.")
-    p.add_argument("--page-size", type=int, default=None, help="Tokens per KV block (SGLang's flag; default 16).")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="Tokens per KV block (SGLang's flag); default 16, or the largest of 8, 4, 2, 1 with which the "
+                        "KV pool holds one request of --context-length (SGLang's default is 1).")
     p.add_argument("--api-key", default=os.environ.get("FASYNC_ENGINE_API_KEY"), help="Require 'Authorization: Bearer KEY'.")
     p.add_argument("--weight-version", default="default", help="Version label of the initial weights (SGLang's default).")
     p.add_argument("--served-model-name", default=None, help="Model name in /v1/models and OpenAI responses (default: --model).")
@@ -552,6 +599,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Namespace:
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="Free the memory /release_memory_occupation releases (SGLang's flag); without it the call "
                         "frees nothing, as in SGLang.")
+    p.add_argument("--enable-metrics", action="store_true",
+                   help="Serve Prometheus metrics at /metrics, under SGLang's metric names (SGLang's flag).")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda).")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="Parameter and KV-cache dtype.")
     p.add_argument("--cpu-cores", default=None, help="Comma-separated CPU cores to pin this process to.")
@@ -590,6 +639,7 @@ async def _watch_parent(pid: int) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Serve one replica until SIGTERM/SIGINT or the parent's death. Returns the exit status."""
+    started = time.perf_counter()
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_DropHttp2Probe())
@@ -601,8 +651,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning_fasync.engine.engine import Engine
 
     torch.set_num_threads(args.threads)
+    loading = time.perf_counter()
     model, tokenizer = build_policy(args.model, dtype=getattr(torch, args.dtype))
     model.to(args.device)
+    loaded = time.perf_counter()
     from lightning_fasync.engine.model_runner import KVCacheTooLargeError, UnsupportedModelError
 
     try:
@@ -614,8 +666,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (KVCacheTooLargeError, UnsupportedModelError, ValueError) as exc:  # a configuration to fix, not a crash
         print(f"lightning-fasync serve: {exc}", file=sys.stderr)
         return 2
+    ready = time.perf_counter()
+    startup_time = startup_time_info(load_weight=loaded - loading, kv_cache_allocation=engine.runner.kv_pool_init_s,
+                                     scheduler_e2e=ready - loading, tokenizer_e2e=ready - started)
     app = build_app(engine, tokenizer, args.model, args.api_key, served_model_name=args.served_model_name,
-                    require_weight_update_session=args.require_weight_update_session)
+                    require_weight_update_session=args.require_weight_update_session,
+                    enable_metrics=args.enable_metrics, startup_time=startup_time)
     app[STATE_KEY].update(host=args.host, port=args.port)
 
     async def on_startup(app: web.Application) -> None:

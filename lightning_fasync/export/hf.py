@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 
 from lightning_fasync.config import ConfigError
+from lightning_fasync.policy import policy_skeleton
 from lightning_fasync.registry import TRAINERS
 
 if TYPE_CHECKING:
@@ -227,25 +228,6 @@ def _load_sharded(ckpt_path: str, items: Mapping[str, Any]) -> dict[str, torch.T
 
 
 # ------------------------------------------------------------------------------ the policy's layout
-
-
-def policy_skeleton(name: str, key: str) -> tuple[Any, Any]:
-    """The policy ``name`` on the meta device (config, class, tensor names and shapes; no weights)
-    and its tokenizer."""
-    from lightning_fasync.policy import PRESETS, load_tokenizer
-
-    if name in PRESETS:
-        with torch.device("meta"):
-            return PRESETS[name](torch.float32)
-    if not os.path.isdir(name):
-        raise ConfigError(f"`{key}` {name!r} is neither a preset ({', '.join(PRESETS)}) nor a local Hugging Face "
-                          "model directory.")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(name)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    return skeleton, load_tokenizer(name)
 
 
 def _expected(skeleton: Any) -> dict[str, tuple[int, ...]]:

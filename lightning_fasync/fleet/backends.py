@@ -92,27 +92,29 @@ def extra_args(extra: Union[Mapping[str, Any], Sequence[str], None]) -> list[str
     return out
 
 
-def check_extra(extra: Union[Mapping[str, Any], Sequence[str], None]) -> None:
-    """Refuse ``extra`` flags the plugin sets itself or that only the embedded engine has.
+def check_extra(extra: Union[Mapping[str, Any], Sequence[str], None], key: str = "rollout.sglang_args.extra",
+                flags: Optional[Mapping[str, str]] = None, server: str = "sglang.launch_server") -> None:
+    """Refuse ``extra`` flags the plugin sets itself (``flags``: SGLang's :data:`PLUGIN_FLAGS` by
+    default) or that only the embedded engine has.
 
     Raises:
-        ConfigError: naming ``rollout.sglang_args.extra`` and the flag.
+        ConfigError: naming ``key`` and the flag.
     """
+    flags = PLUGIN_FLAGS if flags is None else flags
     if extra is not None and not isinstance(extra, (Mapping, list, tuple)):
-        raise ConfigError(f"`rollout.sglang_args.extra` is {extra!r}; it must be a dict or a list of command-line tokens.")
+        raise ConfigError(f"`{key}` is {extra!r}; it must be a dict or a list of command-line tokens.")
     for token in extra_args(extra):
         flag = token.split("=", 1)[0]
         if not flag.startswith("--"):
             continue
-        if flag in PLUGIN_FLAGS:
+        if flag in flags:
             raise ConfigError(
-                f"`rollout.sglang_args.extra` sets {flag}, which the plugin sets itself from {PLUGIN_FLAGS[flag]}; "
-                "remove it from extra."
+                f"`{key}` sets {flag}, which the plugin sets itself from {flags[flag]}; remove it from extra."
             )
         if flag in EMBEDDED_ONLY_FLAGS:
             raise ConfigError(
-                f"`rollout.sglang_args.extra` sets {flag}, an option of the embedded engine that "
-                "sglang.launch_server does not have; remove it from extra."
+                f"`{key}` sets {flag}, an option of the embedded engine that {server} does not have; "
+                "remove it from extra."
             )
 
 
@@ -320,12 +322,20 @@ class ExternalEngines(_UnsupervisedPool):
     """
 
     def __init__(self, engine_urls: Sequence[str], router_url: Optional[str] = None, startup_timeout: float = 180.0,
-                 api_key: Optional[str] = None) -> None:
+                 api_key: Optional[str] = None, client_class: Any = None) -> None:
         super().__init__()
         self.worker_urls = [u.rstrip("/") for u in engine_urls]
         self.router_url = router_url.rstrip("/") if router_url else None
         self.startup_timeout = startup_timeout
         self.api_key = api_key
+        self.client_class = client_class
+
+    def client(self, **kwargs: Any) -> Any:
+        """A new client of these servers: an ``SGLangClient``, or the ``client_class`` given
+        (``VLLMClient`` for vLLM servers, ``rollout.weight_sync: vllm``)."""
+        if self.client_class is None:
+            return super().client(**kwargs)
+        return self.client_class(self.worker_urls, router_url=self.router_url, api_key=self.api_key, **kwargs)
 
     def start(self) -> "ExternalEngines":
         """Wait until every server (and the router) is healthy."""
@@ -520,7 +530,13 @@ def _start_sglang(start: EngineStart) -> "SGLangPool":
 
 def _start_external(start: EngineStart) -> "ExternalEngines":
     ro = start.cfg.rollout
-    return ExternalEngines(ro.engine_urls, ro.router_url, startup_timeout=start.startup_timeout).start()
+    client_class = None
+    if ro.weight_sync == "vllm":  # vLLM servers someone else runs
+        from lightning_fasync.fleet.vllm import VLLMClient
+
+        client_class = VLLMClient
+    return ExternalEngines(ro.engine_urls, ro.router_url, startup_timeout=start.startup_timeout,
+                           client_class=client_class).start()
 
 
 EMBEDDED = EngineBackend(

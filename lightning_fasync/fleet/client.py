@@ -341,9 +341,8 @@ class SGLangClient(EngineClient):
     async def _generate(self, request: GenerateRequest, body: dict) -> Any:
         """POST ``/generate``; when supervised, wait for a serving replica first and send again after
         the replica (or router) went away mid-request. None: ``abort_all`` ran while it waited."""
-        url = self.generate_url + "/generate"
         if not self.supervised:
-            return await self._request("POST", url, body, timeout=self.generate_timeout_s, timeout_key="rollout.request_timeout")
+            return await self._post_generate(self._generate_url(), request, body)
         epoch = self.workers.abort_epoch
         deadline = time.monotonic() + self.workers.wait_timeout_s
         while True:
@@ -351,8 +350,7 @@ class SGLangClient(EngineClient):
                 return None
             serving = self.workers.urls
             try:
-                return await self._request("POST", url, body, timeout=self.generate_timeout_s,
-                                           timeout_key="rollout.request_timeout")
+                return await self._post_generate(self._generate_url(), request, body)
             except EngineError as exc:
                 if not isinstance(exc, EngineUnavailable):
                     # A router answers 500 for a request whose worker died under it; any other
@@ -367,6 +365,18 @@ class SGLangClient(EngineClient):
                         f"(`rollout.engine_restart.timeout_s`); last error: {exc}"
                     ) from exc
                 await asyncio.sleep(0.25)  # the supervisor notices the lost replica meanwhile
+
+    generate_path = "/generate"
+    """Where a generation request goes on ``_generate_url()``."""
+
+    def _generate_url(self) -> str:
+        """The server (or router) the next generation request goes to."""
+        return self.generate_url
+
+    async def _post_generate(self, url: str, request: GenerateRequest, body: dict) -> Any:
+        """One generation call to ``url``."""
+        return await self._request("POST", url + self.generate_path, body, timeout=self.generate_timeout_s,
+                                   timeout_key="rollout.request_timeout")
 
     async def _set_changed(self, before: list[str], wait_s: float = 2.0) -> bool:
         """True once the serving set differs from ``before`` (a replica lost), within ``wait_s``."""

@@ -170,7 +170,7 @@ class ServerHandle:
 
 
 def _spawn(cmd: list[str], name: str, env: Optional[dict[str, str]] = None,
-           log_path: Optional[str] = None) -> tuple[subprocess.Popen, str]:
+           log_path: Optional[str] = None, cwd: Optional[str] = None) -> tuple[subprocess.Popen, str]:
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix=f"fasync-{name}-", suffix=".log")
         log_file = os.fdopen(fd, "wb")
@@ -178,7 +178,7 @@ def _spawn(cmd: list[str], name: str, env: Optional[dict[str, str]] = None,
         log_file = open(log_path, "ab")
     with log_file as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True, cwd=cwd)
     return proc, log_path
 
 

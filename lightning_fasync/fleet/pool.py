@@ -171,12 +171,7 @@ class RolloutPool:
         old = self.servers[index]
         old.kill_tree()
         old.stop()
-        port = urlparse(old.url).port
-        handle = launch_server(
-            self.model, port=port, threads=self.threads_per_replica, max_running_requests=self.max_running_requests,
-            api_key=self.api_key, cpu_cores=self.cpu_cores[index] if self.cpu_cores else None,
-            context_length=self.context_length, extra_args=self.server_args, wait=False,
-        )
+        handle = self._relaunch(index, urlparse(old.url).port)
         self.servers[index] = handle
         try:
             handle.wait_healthy(self.startup_timeout, self.api_key, should_stop=should_stop)
@@ -192,6 +187,14 @@ class RolloutPool:
             handle.kill_tree()
             handle.stop()
             raise
+
+    def _relaunch(self, index: int, port: Optional[int]) -> ServerHandle:
+        """Replica ``index``'s server started again on ``port``, not yet waited for."""
+        return launch_server(
+            self.model, port=port, threads=self.threads_per_replica, max_running_requests=self.max_running_requests,
+            api_key=self.api_key, cpu_cores=self.cpu_cores[index] if self.cpu_cores else None,
+            context_length=self.context_length, extra_args=self.server_args, wait=False,
+        )
 
     async def _join(self, url: str) -> int:
         """Load the kept weights into ``url`` and check them tensor by tensor (caller holds sync_lock)."""

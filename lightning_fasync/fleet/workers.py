@@ -38,6 +38,7 @@ class WorkerSet:
         self._router_up = True
         self.wait_timeout_s = wait_timeout_s
         self.abort_epoch = 0  # bumped by abort_all: requests waiting for a replica return aborted
+        self.changes = 0  # bumped whenever a replica leaves or joins (a restarted one keeps its URL)
         self.fatal: Optional[BaseException] = None  # set when the supervisor gives up: waiters stop waiting
 
     @property
@@ -57,11 +58,13 @@ class WorkerSet:
         with self._lock:
             if url in self._urls:
                 self._urls.remove(url)
+                self.changes += 1
 
     def add(self, url: str) -> None:
         with self._lock:
             if url not in self._urls:
                 self._urls.append(url)
+                self.changes += 1
 
     def set_router_up(self, up: bool) -> None:
         with self._lock:

@@ -9,7 +9,10 @@ can await it:
 - a plain function runs in a pool of daemon threads (``processes == 0``) or in ``processes``
   worker processes (CPU-heavy verifiers: the GIL would serialise them in threads), bounded by
   ``timeout_s`` counted from when it starts running (a burst of calls queued for a free worker
-  does not time out while waiting).
+  does not time out while waiting). ``processes=None`` (``data_source.reward_processes: null``,
+  the default) chooses: worker processes for a function marked ``cpu_bound = True`` (as
+  :func:`~lightning_fasync.data.rewards.math_reward` is), ``min(4, cpu_count)`` of them, and
+  threads for any other.
 
 A reward that times out or raises becomes a :class:`RewardError`; the flow marks the trajectory
 failed and the group policy (``pipeline/state.py``) drops the group and regenerates its prompt.
@@ -50,7 +53,7 @@ from typing import Any, Awaitable, Callable, Optional, Union
 
 from lightning_fasync.types import PromptSample, Trajectory
 
-__all__ = ["RewardError", "RewardRunner"]
+__all__ = ["RewardError", "RewardRunner", "auto_processes"]
 
 RewardCallable = Callable[[PromptSample, Trajectory], Union[float, Awaitable[float]]]
 
@@ -66,6 +69,21 @@ _PROCESS_GRACE_S = 10.0
 _THREAD_IDLE_S = 30.0
 # Poll interval of waits that also watch for shutdown.
 _POLL_S = 1.0
+# Worker processes of a reward marked cpu_bound when the count is left to the runner (processes=None).
+_AUTO_PROCESSES = 4
+
+
+def auto_processes(fn: Any) -> int:
+    """The worker processes ``processes=None`` gives ``fn``: ``min(4, cpu_count)`` for a plain,
+    picklable function marked ``cpu_bound = True`` (a math verifier: in threads it would hold the
+    GIL and its timeout could not stop it), else 0 (threads)."""
+    if getattr(fn, "cpu_bound", False) is not True or _is_async(fn):
+        return 0
+    try:
+        pickle.dumps(fn)
+    except Exception:  # a closure or a local function: threads, as for any unmarked reward
+        return 0
+    return min(_AUTO_PROCESSES, os.cpu_count() or 1)
 
 
 class RewardError(RuntimeError):
@@ -383,7 +401,8 @@ class RewardRunner:
         fn: ``(sample, trajectory) -> float``, a plain function or an ``async def`` one.
         timeout_s: ``data_source.reward_timeout``: seconds one call may run.
         processes: ``data_source.reward_processes``: 0 runs a plain ``fn`` in threads; N > 0 in
-            N worker processes (``fn`` must then be a picklable, plain function).
+            N worker processes (``fn`` must then be a picklable, plain function); None lets the
+            runner choose (:func:`auto_processes`: processes for a ``cpu_bound`` function).
         tokenizer: If given, each call first sets ``trajectory.metadata["response_text"]`` to
             ``tokenizer.decode(response_ids, skip_special_tokens=True)`` for text-level rewards.
         name: How messages name the reward (its config key).
@@ -403,15 +422,17 @@ class RewardRunner:
         self,
         fn: RewardCallable,
         timeout_s: float = 30.0,
-        processes: int = 0,
+        processes: Optional[int] = 0,
         tokenizer: Any = None,
         name: str = "data_source.reward",
         threads: Optional[int] = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"data_source.reward_timeout is {timeout_s}; it must be > 0 seconds.")
+        if processes is None:
+            processes = auto_processes(fn)
         if processes < 0:
-            raise ValueError(f"data_source.reward_processes is {processes}; it must be >= 0 (0: threads).")
+            raise ValueError(f"data_source.reward_processes is {processes}; it must be >= 0 (0: threads, null: auto).")
         self.fn = fn
         self.timeout_s = float(timeout_s)
         self.processes = int(processes)

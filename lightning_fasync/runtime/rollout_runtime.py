@@ -113,6 +113,10 @@ class RolloutRuntime:
         if client is None and backend.prepare is not None:
             # What the backend cannot serve as configured is refused before anything is read, built or started.
             prepared = backend.prepare(cfg, engine_model, plan.num_replicas, engine_threads)
+        if flow is None:  # the python tool's sandbox this host cannot give is refused before any engine starts
+            from lightning_fasync.agents.sandbox import check_config as check_sandbox
+
+            check_sandbox(cfg.agentflow)
         if datasource is None:
             datasource = self._build_datasource()
         # The synthetic task's reward reads token ids: no decoding of every response for it.
@@ -496,8 +500,10 @@ class RolloutRuntime:
             client.admin_timeout_s = self.admin_timeout
             # Kept only where a supervisor restarts replicas (the embedded pool).
             keep = getattr(self.pool, "supervisor", None) is not None
+            path = WEIGHT_PATHS.get(self.weight_sync)
             self._sync = make_weight_sync(
-                self.weight_sync, client, bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb * 2**20,
+                self.weight_sync, client, **(path.options(self.cfg, self._engine_model) if path.options is not None else {}),
+                bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb * 2**20,
                 timeout_s=self.admin_timeout, keep=keep,
                 work_dir=os.path.join(self.log_dir, "weights") if self.log_dir else None,
             )

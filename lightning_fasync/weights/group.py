@@ -62,11 +62,13 @@ class DistributedWeightSync(_BucketedSync):
         self._socket: Optional[socket.socket] = None
         self._leaked: list[tuple[Any, socket.socket]] = []  # broken groups and their store sockets, kept as they are
         self._broken = False  # a collective of the group failed: abandon it, do not destroy it
+        self._changes = -1  # the serving set's change count when the group formed
 
     async def connect(self) -> None:
         """Form the group with every serving engine (again, when the serving set changed)."""
         urls = self.client.worker_urls
-        if self.group is not None and urls == self.members and not self._broken:
+        changes = self.client.workers.changes  # a replica restarted on its URL is a new member
+        if self.group is not None and urls == self.members and changes == self._changes and not self._broken:
             return
         await self._disband()
         if not urls:  # none serves (a supervisor is restarting them): the push only keeps the weights
@@ -97,9 +99,8 @@ class DistributedWeightSync(_BucketedSync):
 
         creating = asyncio.ensure_future(weight_wire.in_daemon_thread(create))
         offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
-        calls = {u: asyncio.ensure_future(self._update(u, "/init_weights_update_group", {
-            "master_address": host, "master_port": port, "rank_offset": off, "world_size": world,
-            "group_name": name, "backend": backend}, "the weight-update group")) for u, off in zip(urls, offsets)}
+        calls = {u: asyncio.ensure_future(self._update(u, *self._init_request(host, port, off, world, name, backend),
+                                                       "the weight-update group")) for u, off in zip(urls, offsets)}
         try:
             skipped = await self._collect(calls, creating, "the weight-update group", "init_weights_update_group")
         except BaseException:
@@ -111,6 +112,7 @@ class DistributedWeightSync(_BucketedSync):
             creating.add_done_callback(lambda done: self._abandon(done, listen))
             raise _MembersChanged()
         self.group, self.group_name, self.members, self._socket = creating.result(), name, list(urls), listen
+        self._changes = changes
 
     def _abandon(self, creating: "asyncio.Future[Any]", listen: socket.socket) -> None:
         """A group formed after its push gave up on it: keep it and its store's listening socket as
@@ -128,10 +130,10 @@ class DistributedWeightSync(_BucketedSync):
         group, name, members = self.group, self.group_name, self.members
         self.group, self.group_name, self.members = None, None, []
         live = [u for u in members if u in self.client.worker_urls]
+        path, body = self._destroy_request(name)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.gather(*(self.rpc._request(
-                "POST", u + "/destroy_weights_update_group", {"group_name": name}, timeout=10) for u in live),
-                return_exceptions=True), 15)
+            await asyncio.wait_for(asyncio.gather(*(self.rpc._request("POST", u + path, body, timeout=10) for u in live),
+                                                  return_exceptions=True), 15)
         broken, self._broken = self._broken, False
         if not broken:
             weight_wire.destroy_process_group(group)
@@ -206,13 +208,8 @@ class DistributedWeightSync(_BucketedSync):
                 filled = await fills.get(i)
                 # No engine serves (group None): nothing to broadcast to, the bucket is only kept.
                 while self.group is not None:
-                    meta = filled.metadata
-                    body = {"names": [m.name for m in meta], "dtypes": [weight_wire.dtype_name(m.dtype) for m in meta],
-                            "shapes": [list(m.shape) for m in meta], "group_name": self.group_name,
-                            "flush_cache": self.flush_in_update, "abort_all_requests": False,
-                            "weight_version": _label(version), "load_format": "flattened_bucket"}
-                    calls = {u: asyncio.ensure_future(self._update(u, "/update_weights_from_distributed", body, where))
-                             for u in self.members}
+                    path, body = self._bucket_request(filled, version)
+                    calls = {u: asyncio.ensure_future(self._update(u, path, body, where)) for u in self.members}
                     # The broadcast is issued here, on the caller's thread; gloo/NCCL progress it meanwhile.
                     work = torch.distributed.broadcast(filled.flat, src=0, group=self.group, async_op=True)
                     if not await self._collect(calls, work, where, f"bucket {i + 1} of {len(staged)}"):
@@ -223,6 +220,27 @@ class DistributedWeightSync(_BucketedSync):
                 if self.keep:
                     kept.append(self._kept_copy(filled))
         self._kept = kept
+
+    # ------------------------------------------------------------------ the engines' calls (SGLang's)
+
+    def _init_request(self, host: str, port: int, rank_offset: int, world_size: int, name: str,
+                      backend: str) -> tuple[str, dict[str, Any]]:
+        """The call that has one engine join the group at ``rank_offset``: path and body."""
+        return "/init_weights_update_group", {"master_address": host, "master_port": port, "rank_offset": rank_offset,
+                                              "world_size": world_size, "group_name": name, "backend": backend}
+
+    def _bucket_request(self, filled: Bucket, version: Optional[int]) -> tuple[str, dict[str, Any]]:
+        """The call that has every engine receive one flattened bucket's broadcast: path and body."""
+        meta = filled.metadata
+        return "/update_weights_from_distributed", {
+            "names": [m.name for m in meta], "dtypes": [weight_wire.dtype_name(m.dtype) for m in meta],
+            "shapes": [list(m.shape) for m in meta], "group_name": self.group_name,
+            "flush_cache": self.flush_in_update, "abort_all_requests": False,
+            "weight_version": _label(version), "load_format": "flattened_bucket"}
+
+    def _destroy_request(self, name: str) -> tuple[str, dict[str, Any]]:
+        """The call that has an engine leave the group: path and body."""
+        return "/destroy_weights_update_group", {"group_name": name}
 
     async def _regroup(self, started: Sequence[str], where: str) -> None:
         """Form the group again with the engines still serving, in the middle of a stream's push (an

@@ -58,11 +58,11 @@ class WeightSyncError(EngineError):
 def resolve_weight_sync(cfg: Any, choice: Optional[str] = None) -> str:
     """The weight-sync path of a run: ``choice`` (an override such as
     ``FullyAsyncStrategy(weight_sync=...)``), else ``rollout.weight_sync``; ``auto`` is ``tensor`` for
-    engines on this host (the embedded backend) and ``distributed`` otherwise (``rollout.backend``
-    sglang or external)."""
+    engines on this host (the embedded backend), ``vllm`` for vLLM servers (``rollout.backend: vllm``)
+    and ``distributed`` otherwise (``rollout.backend`` sglang or external)."""
     kind = choice if choice is not None else getattr(cfg.rollout, "weight_sync", "auto")
     if kind == "auto":
-        return "tensor" if getattr(cfg.rollout, "backend", "embedded") == "embedded" else "distributed"
+        return {"embedded": "tensor", "vllm": "vllm"}.get(getattr(cfg.rollout, "backend", "embedded"), "distributed")
     if kind not in WEIGHT_PATHS:
         raise ConfigError(f"`rollout.weight_sync` is {kind!r}; it must be one of {', '.join(weight_sync_choices())}.")
     return kind
@@ -282,9 +282,14 @@ class WeightSync(abc.ABC):
             result = await self.client._on_worker(url, call())
         except EngineError as exc:
             raise WeightSyncError(f"The weight sync of {where} failed on {url} ({path}): {exc}") from exc
-        if result is not SKIPPED and not (isinstance(result, dict) and result.get("success") is True):
+        if result is not SKIPPED and not self._answer_ok(result):
             raise WeightSyncError(f"The weight sync of {where} failed on {url} ({path}): {str(result)[:500]}")
         return result
+
+    @staticmethod
+    def _answer_ok(result: Any) -> bool:
+        """Whether an update call's answer says it succeeded (SGLang's ``{"success": true, ...}``)."""
+        return isinstance(result, dict) and result.get("success") is True
 
     async def _update_all(self, path: str, body_for: Any, where: str) -> None:
         # With a supervisor, no serving engine is not an error here: the weights are kept, and a

@@ -132,6 +132,13 @@ def bucket_bytes(metadata: Sequence[FlattenedTensorMetadata]) -> int:
     return metadata[-1].end_idx if metadata else 0
 
 
+def bucket_sha256(flat: torch.Tensor) -> str:
+    """The sha256 of a flattened bucket's bytes (the ``fasync-gloo`` transfer checks each bucket by it)."""
+    import hashlib
+
+    return hashlib.sha256(flat.detach().cpu().contiguous().numpy()).hexdigest()
+
+
 def flatten_into(named: NamedTensors, out: torch.Tensor) -> list[FlattenedTensorMetadata]:
     """Copy ``named`` into the ``uint8`` tensor ``out`` laid out as SGLang's FlattenedTensorBucket;
     returns the metadata. ``out`` may live anywhere (shared memory, a GPU); one copy per tensor."""

@@ -1,11 +1,13 @@
 """The tool sandbox and the calculator: each forbidden or runaway program is stopped and reported
 (and the next run works), the limits hold, runs do not block the event loop and are bounded in
-number; the calculator refuses everything but bounded arithmetic."""
+number; the calculator refuses everything but bounded arithmetic. What the sandbox's isolation
+holds against code that defeats its in-process check is test_sandbox_isolation.py's."""
 
 from __future__ import annotations
 
 import asyncio
-import os
+import dataclasses
+import pathlib
 import re
 import socket
 import threading
@@ -17,7 +19,7 @@ from lightning_fasync.agents.tools import (
     MAX_BITS, CalculatorError, ToolBox, ToolCall, calculate, format_tool_call, has_tool_call, parse_tool_calls,
 )
 
-LIMITS = SandboxLimits(cpu_s=1.0, wall_s=3.0, memory_mb=256, file_mb=1, max_output=200, max_concurrent=2)
+LIMITS = SandboxLimits(cpu_s=1.0, wall_s=3.0, memory_mb=256, file_mb=1, disk_mb=2, max_output=200, max_concurrent=2)
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +35,18 @@ def assert_next_run_works(box: Sandbox) -> None:
     assert (result.outcome, result.text) == ("ok", "42")
 
 
-def test_a_normal_run_prints_in_a_fresh_directory_that_is_removed_with_a_minimal_environment(sandbox):
-    result = sandbox.run_sync("import os, json\nprint(os.getcwd())\nprint(json.dumps(sorted(os.environ)))\n"
+def test_a_normal_run_prints_in_a_fresh_directory_as_an_unprivileged_user_with_a_minimal_environment(sandbox):
+    result = sandbox.run_sync("import os, json\nprint(os.getcwd(), os.getuid(), os.getgid())\n"
+                              "print(json.dumps(sorted(os.environ)))\n"
                               "open('notes.txt', 'w').write('kept inside')\nprint(open('notes.txt').read())")
     assert result.outcome == "ok", result
-    workdir, env, notes = result.output.splitlines()
-    assert os.path.basename(workdir).startswith("fasync-sandbox-") and not os.path.exists(workdir)
-    assert env == '["HOME", "LANG", "PATH", "TMPDIR"]'
+    who, env, notes = result.output.splitlines()
+    assert who == "/tmp 65534 65534"
+    assert env == '["HOME", "LANG", "PATH", "PWD", "TMPDIR"]'
     assert notes == "kept inside"
-    assert isinstance(result.network_isolated, bool)
-    second = sandbox.run_sync("import os; print(os.getcwd())")
-    assert second.output.strip() != workdir  # a fresh directory per run
+    assert result.network_isolated is True
+    second = sandbox.run_sync("import os; print(os.listdir('.'))")
+    assert second.output.strip() == "[]"  # a fresh directory per run
 
 
 def test_the_codes_own_error_is_its_result(sandbox):
@@ -62,43 +65,54 @@ def test_the_codes_own_error_is_its_result(sandbox):
         ("x = bytearray(2 * 1024 ** 3)", "memory limit exceeded"),
         ("chunks = []\nwhile True:\n    chunks.append(bytearray(64 * 1024 ** 2))", "memory limit exceeded"),
         ("open('big.bin', 'wb').write(b'x' * (2 * 1024 ** 2))", "file size limit exceeded"),
+        ("for i in range(5):\n    open(f'{i}.bin', 'wb').write(b'x' * (900 * 1024))", "disk limit exceeded"),
         ("while True:\n    print('spam' * 100)", "output limit exceeded"),
     ],
-    ids=["cpu-loop", "sleep", "one-big-allocation", "growing-allocation", "big-file", "endless-output"],
+    ids=["cpu-loop", "sleep", "one-big-allocation", "growing-allocation", "big-file", "many-files", "endless-output"],
 )
 def test_limits_stop_the_run_and_the_next_run_works(sandbox, code, message):
     result = sandbox.run_sync(code)
     assert (result.outcome, result.message) == ("limit", message), result
     assert result.text.endswith(f"error: {message}")
     assert len(result.output.encode()) <= LIMITS.max_output
-    assert sandbox.running == 0  # the process group is gone
+    assert sandbox.running == 0  # the run's processes are gone
     assert_next_run_works(sandbox)
 
 
-def test_writing_outside_the_working_directory_is_stopped(sandbox, tmp_path):
-    target = tmp_path / "escaped.txt"
-    link_target = tmp_path / "via_link.txt"
-    for code in (
-        f"open({str(target)!r}, 'w').write('x')",
-        f"import os\nfd = os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
-        f"import os\nos.symlink({str(link_target)!r}, 'link')",
-        "import os\nos.chdir('..')\nopen('escaped.txt', 'w')",
-        f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
-    ):
-        result = sandbox.run_sync(code)
-        assert (result.outcome, result.message) == ("violation", "writing outside the working directory is not allowed"), code
-        assert not target.exists() and not link_target.exists() and tmp_path.exists()
-    assert_next_run_works(sandbox)
+OUTSIDE = "writing outside the working directory is not allowed"
 
 
-@pytest.mark.parametrize("namespaces", [True, False], ids=["namespaces-and-hook", "hook-alone"])
-def test_network_access_is_stopped_and_no_connection_reaches_a_local_listener(namespaces):
+@pytest.mark.parametrize("mode", ["bwrap", "process"])
+def test_writing_outside_the_working_directory_is_stopped(mode, tmp_path):
+    # Under bubblewrap the host's directories are not there (and its /tmp is the run's own): a
+    # directory outside the run's /tmp stands for them; test_sandbox_isolation.py writes to the host's.
+    outside = tmp_path if mode == "process" else pathlib.Path("/srv/fasync")
+    target, link_target = outside / "escaped.txt", outside / "via_link.txt"
+    box = Sandbox(dataclasses.replace(LIMITS, mode=mode))
+    try:
+        for code in (
+            f"open({str(target)!r}, 'w').write('x')",
+            f"import os\nfd = os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
+            f"import os\nos.symlink({str(link_target)!r}, 'link')",
+            "import os\nos.chdir('..')\nopen('escaped.txt', 'w')",
+            f"import shutil\nshutil.rmtree({str(outside)!r})",
+        ):
+            result = box.run_sync(code)
+            assert (result.outcome, result.message) == ("violation", OUTSIDE), code
+            assert not target.exists() and not link_target.exists() and tmp_path.exists()
+        assert_next_run_works(box)
+    finally:
+        box.close()
+
+
+@pytest.mark.parametrize("mode", ["bwrap", "process"])
+def test_network_access_is_stopped_and_no_connection_reaches_a_local_listener(mode):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
     listener.settimeout(0.5)
     port = listener.getsockname()[1]
-    box = Sandbox(LIMITS, namespaces=namespaces)
+    box = Sandbox(dataclasses.replace(LIMITS, mode=mode))
     try:
         for code in (
             f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'leak')",
@@ -109,8 +123,7 @@ def test_network_access_is_stopped_and_no_connection_reaches_a_local_listener(na
         ):
             result = box.run_sync(code)
             assert (result.outcome, result.text) == ("violation", "error: network access is not allowed"), code
-            if not namespaces:
-                assert result.network_isolated is False
+            assert isinstance(result.network_isolated, bool) and (result.network_isolated or mode == "process")
         with pytest.raises(socket.timeout):
             listener.accept()  # nothing ever connected
         assert_next_run_works(box)
@@ -168,6 +181,8 @@ def test_runs_leave_the_event_loop_free_and_at_most_max_concurrent_run_at_once(s
 def test_limits_are_validated():
     with pytest.raises(ValueError, match=r"`agentflow.sandbox.wall_s` is 0; it must be > 0"):
         Sandbox(SandboxLimits(wall_s=0))
+    with pytest.raises(ValueError, match=r"`agentflow.sandbox.mode` is 'nsjail'; it must be one of bwrap, process"):
+        Sandbox(SandboxLimits(mode="nsjail"))
 
 
 # ----------------------------------------------------------------------------- calculator and calls

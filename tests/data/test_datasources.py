@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("datasets")
 
 from lightning_fasync.data.files import FileDataSource, stop_token_ids  # noqa: E402
+from lightning_fasync.errors import ConfigError  # noqa: E402
 from lightning_fasync.pipeline.state import PipelineError  # noqa: E402
 from lightning_fasync.policy import build_char_tokenizer, build_policy  # noqa: E402
 from lightning_fasync.types import PromptId, PromptSample, Trajectory  # noqa: E402
@@ -196,6 +197,94 @@ def test_bad_format_path_and_keys(char_tok, tmp_path):
         FileDataSource(str(path), char_tok, prompt_key="question")
     with pytest.raises(ValueError, match="data_source.prompt_key"):
         FileDataSource(DAPO, char_tok, prompt_key="reward_model")  # neither a string nor messages
+
+
+GOOD_LINE = json.dumps({"question": "1+1?", "answer": "2"})
+
+
+def _parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": pa.array(rows, pa.string())}), str(path))
+
+
+# (file name, content, what the message says after the file's name)
+MALFORMED = [
+    ("empty.jsonl", b"", "is empty (0 bytes), no records"),
+    ("blank.jsonl", b"\n\n   \n", "has only blank lines, no records"),
+    ("latin1.jsonl", (GOOD_LINE + "\n").encode() + '{"question": "caf\u00e9?"}\n'.encode("latin-1"),
+     "is not UTF-8 text: line 2 has the byte 0xe9 at column 18"),
+    ("broken.jsonl", (GOOD_LINE + "\n" + '{"question": "2+2?" "answer": "4"}\n' + GOOD_LINE + "\n").encode(),
+     "has a line that is not JSON: line 2, column 21: Expecting ',' delimiter"),
+    ("number.jsonl", (GOOD_LINE + "\n42\n").encode(),
+     "has a line that is not a JSON object (a record): line 2 is int '42'"),
+    ("broken.json", b'[\n {"question": "a"},\n {"question": "b" "answer": "2"}\n]\n',
+     "is not JSON: line 3, column 19: Expecting ',' delimiter"),
+    ("empty_list.json", b"[]", "holds an empty JSON list, no records"),
+    ("garbage.parquet", b"not a parquet file " * 20, "is not a parquet file (ArrowInvalid: Parquet magic bytes not found in footer)"),
+    ("zero_bytes.parquet", b"", "is empty (0 bytes), not a parquet file"),
+    ("no_rows.parquet", None, "has no rows"),
+]
+
+
+@pytest.mark.parametrize("name, content, said", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_a_malformed_file_is_named_in_one_sentence(char_tok, tmp_path, name, content, said):
+    path = tmp_path / name
+    if content is None:
+        _parquet(path, [])
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        FileDataSource(str(path), char_tok, prompt_key="question")
+    assert str(info.value) == f"`data_source.path` file {str(path)!r} {said}."
+
+
+def test_a_malformed_file_in_a_directory_is_named(char_tok, tmp_path):
+    (tmp_path / "a.jsonl").write_text(GOOD_LINE + "\n")
+    (tmp_path / "b.jsonl").write_text(GOOD_LINE + "\n{oops\n")
+    with pytest.raises(ConfigError, match=r"file '.*b\.jsonl' has a line that is not JSON: line 2"):
+        FileDataSource(str(tmp_path), char_tok, prompt_key="question")
+
+
+def test_an_unreadable_file_without_a_known_fault_names_the_readers_error(char_tok, tmp_path, monkeypatch):
+    import datasets
+
+    def load_dataset(*args, **kwargs):
+        try:
+            raise ValueError("the reader's own reason. More text")
+        except ValueError as exc:
+            raise RuntimeError("An error occurred while generating the dataset") from exc
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    path = tmp_path / "fine.jsonl"
+    path.write_text(GOOD_LINE + "\n")
+    with pytest.raises(ConfigError) as info:
+        FileDataSource(str(path), char_tok, prompt_key="question")
+    assert str(info.value) == (f"`data_source.path` file {str(path)!r} cannot be read as json records "
+                               "(ValueError: the reader's own reason).")
+
+
+def test_a_bare_gsm8k_answer(char_tok, tmp_path):
+    path = tmp_path / "bare.jsonl"
+    answers = ["#### 42", "  ####  7 ", "Half of 10 is 5.\n#### 5", "no marker"]
+    path.write_text("".join(json.dumps({"question": "q?", "answer": a}) + "\n" for a in answers))
+    ds = FileDataSource(str(path), char_tok, prompt_key="question", answer_key="answer", shuffle=False)
+    assert [s.metadata["answer"] for s in _drain(ds, 4)] == ["42", "7", "5", "no marker"]
+
+
+def test_the_cli_refuses_a_malformed_file_with_exit_2(capsys, tmp_path):
+    from lightning_fasync.lightning.cli import main
+    from tests.helpers.paths import REPO
+
+    path = tmp_path / "broken.jsonl"
+    path.write_text(GOOD_LINE + "\n{oops\n")
+    args = ["--config", os.path.join(REPO, "configs", "tiny_cpu_math.yaml"), f"--trainer.default_root_dir={tmp_path}",
+            f"--data_source.path={path}", "--data_source.prompt_key=question", "--data_source.answer_key=answer"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"lightning-fasync fit: error: `data_source.path` file {str(path)!r} has a line that is not "
+                       "JSON: line 2, column 2: Expecting property name enclosed in double quotes.")
 
 
 def test_stop_token_ids(tiny_tok, char_tok):

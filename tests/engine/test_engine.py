@@ -341,6 +341,11 @@ def test_a_kv_cache_that_cannot_fit_is_refused_with_the_numbers(policy, monkeypa
     with pytest.raises(model_runner.KVCacheTooLargeError,
                        match=r"holds 992 tokens \(--max-total-tokens 1000\), fewer than the 4096 tokens one request "
                              r"of --context-length 4096 takes in pages of --page-size 16"):
+        Engine(model, max_running_requests=64, context_length=4096, max_total_tokens=1000, page_size=16)
+    # Without --page-size, the smallest page is tried last: even that does not hold one request.
+    with pytest.raises(model_runner.KVCacheTooLargeError,
+                       match=r"holds 1000 tokens \(--max-total-tokens 1000\), fewer than the 4096 tokens one request "
+                             r"of --context-length 4096 takes in pages of --page-size 1;"):
         Engine(model, max_running_requests=64, context_length=4096, max_total_tokens=1000)
     monkeypatch.setattr(model_runner, "_available_bytes", lambda device: 100 * 2**20)  # 100 MiB free
     # The budget, not 64 x 4096 tokens, sizes the pool: weights + pool within 40 % of 100 MiB + weights.

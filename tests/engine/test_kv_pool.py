@@ -83,8 +83,8 @@ def test_serve_refuses_at_start_a_pool_that_cannot_hold_one_request(capsys):
         torch.set_num_threads(threads)
     assert rc == 2
     err = capsys.readouterr().err
-    assert "The KV pool holds 96 tokens (--max-total-tokens 100), fewer than the 512 tokens one request of " \
-           "--context-length 512 takes" in err
+    assert "The KV pool holds 100 tokens (--max-total-tokens 100), fewer than the 512 tokens one request of " \
+           "--context-length 512 takes in pages of --page-size 1" in err
 
 
 def test_block_accounting_survives_many_random_grants_and_frees(policy):

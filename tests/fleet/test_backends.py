@@ -99,7 +99,7 @@ def records(path) -> list[dict]:
 @pytest.mark.parametrize(
     "data, key, fragment",
     [
-        ({"rollout": {"backend": "vllm"}}, "`rollout.backend`", "embedded, sglang, external"),
+        ({"rollout": {"backend": "trtllm"}}, "`rollout.backend`", "embedded, sglang, vllm, external"),
         ({"rollout": {"engine_urls": ["http://127.0.0.1:1"]}}, "`rollout.engine_urls`", "rollout.backend: external"),
         ({"rollout": {"backend": "external"}}, "`rollout.engine_urls`", "list every server"),
         ({"rollout": {"backend": "external", "engine_urls": ["127.0.0.1:30000"]}}, "`rollout.engine_urls[0]`", "http://"),

@@ -162,14 +162,16 @@ def check_openai_models(url: str) -> dict[str, Any]:
 
 def check_server_info(url: str) -> dict[str, Any]:
     """``/get_server_info``'s keys against SGLang's own: its ``ServerArgs`` fields plus what its
-    ``server_info`` endpoint adds (``sglang/srt/entrypoints/http_server.py``)."""
+    ``server_info`` endpoint adds (``sglang/srt/entrypoints/http_server.py``), its scheduler's
+    handshake among them (``Scheduler.get_init_info``)."""
     from sglang.srt.arg_groups.arg_utils import record_fields
     from sglang.srt.server_args import ServerArgs
 
     with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
         info = json.loads(r.read())
     fields = {f.name for f in record_fields(ServerArgs)}
-    endpoint = {"launch_command", "startup_time", "internal_states", "version", "frontend", "kv_events"}
+    endpoint = {"launch_command", "startup_time", "internal_states", "version", "frontend", "kv_events",
+                "status", "max_total_num_tokens", "max_req_input_len", "hicache_object_layout"}
     return {"keys": sorted(info), "not_sglangs": sorted(set(info) - fields - endpoint), "version": info.get("version"),
             "args": {k: info.get(k) for k in ("model_path", "host", "port", "context_length", "max_running_requests",
                                                "weight_version")}}

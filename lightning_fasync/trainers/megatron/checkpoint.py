@@ -176,7 +176,8 @@ def export_hf(ckpt_path: str, out: str, model: str, overwrite: bool = False) -> 
     """
     from megatron.core import dist_checkpointing
 
-    from lightning_fasync.export.hf import policy_skeleton, save_hf_from_stream
+    from lightning_fasync.export.hf import save_hf_from_stream
+    from lightning_fasync.policy import policy_skeleton
     from lightning_fasync.trainers.megatron import convert
     from lightning_fasync.trainers.megatron.model import build_gpt_model
     from lightning_fasync.weights.tensor_stream import TensorStream

@@ -1,0 +1,249 @@
+"""The ``vllm`` weight-sync path: vLLM's own RL API (docs/weight_sync.md, docs/backends.md "vLLM").
+
+Every push is the sequence a vLLM trainer makes on GPUs, over the ``fasync-gloo`` transfer engine
+this package registers with vLLM (:mod:`lightning_fasync.weights.vllm_plugin`):
+
+1. ``POST /pause?mode=abort`` on every server (the controller has already stopped dispatch and
+   settled its in-flight requests: with ``rollout.partial`` the aborted ones come back with the
+   tokens they have, and resume from them after the update);
+2. ``POST /start_weight_update``;
+3. per bucket, ``POST /update_weights`` (``update_info``: names, dtypes, shapes, the bucket's sha256)
+   to every server while trainer rank 0 broadcasts the flattened bucket over the group that
+   ``POST /init_weight_transfer_engine`` formed (once, and again when the serving set changes);
+4. ``POST /finish_weight_update`` with the new ``weight_version`` (vLLM labels every token it
+   samples afterwards with it: the per-token versions of ``/inference/v1/generate``);
+5. ``POST /reset_prefix_cache`` (no KV of the old weights is reused), then ``POST /resume``;
+6. with ``rollout.vllm_args.check_weights``, every server's log-probs of a fixed 16-token probe
+   (``/v1/completions`` with ``prompt_logprobs``, a request, so after the resume) against the same
+   log-probs computed here from the pushed tensors (:func:`reference_logprobs`).
+
+A failed step leaves the servers paused and raises :class:`~lightning_fasync.weights.sync.WeightSyncError`
+naming the server and the step, as the other paths do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from lightning_fasync.pipeline.engine_client import SKIPPED, EngineError
+from lightning_fasync.registry import WeightPath
+from lightning_fasync.weights import wire as weight_wire
+from lightning_fasync.weights.group import DistributedWeightSync
+from lightning_fasync.weights.sync import Bucket, WeightSyncError, _label
+
+VLLM_PAUSE_MODES = {"abort": "abort", "in_place": "keep"}
+"""The weight syncs' pause modes as vLLM's ``/pause`` spells them (it has no ``retract``)."""
+
+PROBE_TOKENS = 16
+"""Tokens of the probe whose log-probs the check compares (:func:`probe_ids`)."""
+
+TOLERANCE = {torch.float32: 1e-3}
+"""The largest difference of a probe token's log-prob the check accepts, per served dtype (0.1 for
+half precisions: the server computes in them, the reference in the trainer's dtype)."""
+
+
+def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> list[int]:
+    """A fixed sequence of ``n`` token ids spread over the vocabulary (the same on every run)."""
+    return [(7919 * (i + 1)) % vocab_size for i in range(n)]
+
+
+def reference_logprobs(model: str, named: Mapping[str, torch.Tensor], ids: Sequence[int]) -> Optional[list[float]]:
+    """The log-probs of ``ids[1:]`` after their prefixes under the policy ``model`` (a preset or a
+    Hugging Face directory) holding ``named``: the model built on the meta device and given the
+    tensors themselves (no copy), its rotary tables computed. None when ``named`` does not cover its
+    parameters or a buffer cannot be computed (an architecture without ``model.rotary_emb``)."""
+    from lightning_fasync.policy import policy_skeleton
+
+    skeleton, _ = policy_skeleton(model, "model.model")
+    try:
+        skeleton.load_state_dict(dict(named), strict=False, assign=True)
+    except (RuntimeError, ValueError):
+        return None
+    if getattr(skeleton.config, "tie_word_embeddings", False):
+        skeleton.tie_weights()
+    device = next(iter(named.values())).device
+    rotary = getattr(getattr(skeleton, "model", None), "rotary_emb", None)
+    if rotary is not None:
+        with torch.device(device):
+            skeleton.model.rotary_emb = type(rotary)(config=skeleton.config)
+    if any(t.is_meta for t in (*skeleton.parameters(), *skeleton.buffers())):
+        return None
+    with torch.no_grad():
+        logits = skeleton(torch.tensor([list(ids)], device=device)).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+
+async def served_logprobs(client: Any, url: str, ids: Sequence[int], timeout_s: float) -> list[float]:
+    """The same log-probs as one vLLM server computes them (``/v1/completions`` with ``prompt_logprobs``)."""
+    model = await client._request("GET", url + "/v1/models", timeout=timeout_s)
+    name = model["data"][0]["id"]
+    answer = await client._request("POST", url + "/v1/completions", {
+        "model": name, "prompt": list(ids), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}, timeout=timeout_s)
+    entries = answer["choices"][0]["prompt_logprobs"][1:]
+    return [float(entry[str(token)]["logprob"]) for entry, token in zip(entries, ids[1:])]
+
+
+class VLLMWeightSync(DistributedWeightSync):
+    """``vllm``: vLLM's RL API over the ``fasync-gloo`` transfer engine (module docstring).
+
+    Arguments (beyond :class:`~lightning_fasync.weights.group.DistributedWeightSync`'s):
+        model: the policy (a preset or a Hugging Face directory), for the check.
+        check_weights: after each push, compare every server's log-probs of a fixed probe with the
+            pushed weights' own (:func:`reference_logprobs`); needs ``model``.
+        dtype: the servers' weight dtype (``rollout.vllm_args.dtype``), for the check's tolerance.
+    """
+
+    kind = "vllm"
+
+    def __init__(self, *args: Any, model: Optional[str] = None, check_weights: bool = True, dtype: Any = "float32",
+                 **kwargs: Any) -> None:
+        kwargs["flatten"] = True  # one uint8 broadcast per bucket, checked by its digest
+        super().__init__(*args, **kwargs)
+        if self.pause_mode is not None and self.pause_mode not in VLLM_PAUSE_MODES:
+            raise ValueError(f"pause_mode is {self.pause_mode!r}; vLLM's /pause takes {', '.join(VLLM_PAUSE_MODES)} or None.")
+        self.model = model
+        self.check_weights = check_weights and model is not None
+        self.dtype = weight_wire.parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        self._pushed: Optional[Mapping[str, torch.Tensor]] = None
+
+    # ------------------------------------------------------------------ vLLM's calls
+
+    def _init_request(self, host: str, port: int, rank_offset: int, world_size: int, name: str,
+                      backend: str) -> tuple[str, dict[str, Any]]:
+        return "/init_weight_transfer_engine", {"init_info": {
+            "master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size,
+            "group_name": name, "timeout_s": self.timeout_s}}
+
+    def _bucket_request(self, filled: Bucket, version: Optional[int]) -> tuple[str, dict[str, Any]]:
+        meta = filled.metadata
+        return "/update_weights", {"update_info": {
+            "names": [m.name for m in meta], "dtype_names": [weight_wire.dtype_name(m.dtype) for m in meta],
+            "shapes": [list(m.shape) for m in meta], "sha256": weight_wire.bucket_sha256(filled.flat)}}
+
+    def _destroy_request(self, name: str) -> tuple[str, dict[str, Any]]:
+        return "/shutdown_weight_transfer_engine", {}
+
+    @staticmethod
+    def _answer_ok(result: Any) -> bool:
+        # vLLM answers 200 with {"message": ...}; a failure is an HTTP error, raised by the client.
+        return isinstance(result, dict) and "error" not in result
+
+    async def tp_sizes(self, urls: Sequence[str]) -> list[int]:
+        """Each server's workers (TP x PP), from vLLM's ``/get_world_size``; asked once."""
+
+        async def one(url: str) -> None:
+            info = await self.client._request("GET", url + "/get_world_size?include_dp=false", missing_ok=True)
+            size = info.get("world_size") if isinstance(info, dict) else None
+            self._tp[url] = int(size) if isinstance(size, int) and size > 0 else 1
+
+        await asyncio.gather(*(one(u) for u in urls if u not in self._tp))
+        return [self._tp[u] for u in urls]
+
+    # ------------------------------------------------------------------ the sequence
+
+    async def push(self, named_tensors: Any, version: Optional[int], step: Optional[int] = None) -> Any:
+        self._pushed = named_tensors if isinstance(named_tensors, Mapping) else None
+        try:
+            return await super().push(named_tensors, version, step)
+        finally:
+            self._pushed = None
+
+    async def _deliver(self, staged: Any, version: Optional[int], where: str) -> None:
+        await self.connect()
+        mode = VLLM_PAUSE_MODES.get(self.pause_mode) if self.pause_mode is not None else None
+        if mode is not None:
+            await self._all(f"/pause?mode={mode}", None, where, "pause")
+        started = False
+        try:
+            if self.members:
+                await self._all("/start_weight_update", {}, where, "start_weight_update")
+                started = True
+            await self._send(staged, version, where)
+            if started:
+                started = False
+                await self._all("/finish_weight_update", {"weight_version": _label(version)}, where, "finish_weight_update")
+        finally:
+            if started:  # a failed push: end the session so the next one can start; stay paused
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._all("/finish_weight_update", {}, where, "finish_weight_update"), 10)
+        if self.members:
+            await self._all("/reset_prefix_cache", None, where, "reset_prefix_cache")
+        if mode is not None:
+            await self._all("/resume", None, where, "resume")
+        if self.check_weights and self.members:  # the probe is a request: a paused server holds it
+            await self.check_served(where)
+
+    async def _all(self, path: str, body: Optional[dict[str, Any]], where: str, what: str) -> list[Any]:
+        """One admin call to every serving server, bounded by the push's timeout; SKIPPED ones left out."""
+        try:
+            results = await asyncio.gather(*(self.client._on_worker(u, self.rpc._request(
+                "POST", u + path, body, timeout=self.timeout_s, timeout_key=self.timeout_key)) for u in self.client.worker_urls))
+        except EngineError as exc:
+            raise WeightSyncError(f"The weight sync of {where} failed at {what}: {exc}") from exc
+        return [r for r in results if r is not SKIPPED]
+
+    def pushed_tensors(self) -> Optional[Mapping[str, torch.Tensor]]:
+        """The tensors of the push under way: its kept copy, else the mapping given (None for a
+        stream that is not kept: its tensors are gone once sent)."""
+        kept = getattr(self, "_kept", None)
+        if kept:
+            return {n: t for b in kept for n, t in b.named_tensors()}
+        return self._pushed
+
+    async def check_served(self, where: str) -> None:
+        """Every serving server's log-probs of the probe against the pushed weights' own (the
+        servers repack some parameters, so their ``/weight_checker`` digests are not the trainer's).
+
+        Raises:
+            WeightSyncError: a server computes other log-probs (naming it, the largest difference and the tolerance).
+        """
+        named = self.pushed_tensors()
+        if named is None or self.model is None:
+            return
+        embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
+        if embed is None:
+            return
+        ids = probe_ids(int(embed.shape[0]))
+        reference = await asyncio.to_thread(reference_logprobs, self.model, named, ids)
+        if reference is None:
+            return
+        tolerance = TOLERANCE.get(self.dtype, 0.1)
+        for url in list(self.members):
+            try:
+                served = await self.client._on_worker(url, served_logprobs(self.rpc, url, ids, self.timeout_s))
+            except (EngineError, KeyError, IndexError, TypeError) as exc:
+                raise WeightSyncError(f"The weight sync of {where}: {url} did not give the probe's log-probs: {exc!r}") from exc
+            if served is SKIPPED:
+                continue
+            worst = max(abs(a - b) for a, b in zip(served, reference))
+            if not worst <= tolerance:
+                raise WeightSyncError(
+                    f"The weight sync of {where}: the server {url} does not hold the trainer's weights: its log-probs "
+                    f"of a {len(ids)}-token probe differ from the pushed weights' by up to {worst:.3g} (tolerance "
+                    f"{tolerance:g}, served as {self.dtype})."
+                )
+
+
+def check_vllm_path(cfg: Any) -> None:
+    """``rollout.weight_sync: vllm`` needs vLLM servers (``rollout.backend: vllm``, or external ones
+    speaking vLLM's API)."""
+    from lightning_fasync.errors import ConfigError
+
+    if cfg.rollout.backend not in ("vllm", "external"):
+        raise ConfigError(
+            f"`rollout.weight_sync` is vllm while `rollout.backend` is {cfg.rollout.backend}; the vllm path speaks "
+            "vLLM's RL API, set rollout.backend: vllm (or external, for vLLM servers someone else runs)."
+        )
+
+
+VLLM = WeightPath(
+    name="vllm", make=VLLMWeightSync, client_method="update_weights_from_vllm", check_config=check_vllm_path,
+    options=lambda cfg, model: {"model": model, "check_weights": cfg.rollout.vllm_args.check_weights,
+                                "dtype": cfg.rollout.vllm_args.dtype},
+)
+"""``rollout.weight_sync: vllm`` (``auto`` with ``rollout.backend: vllm``): vLLM's RL API."""

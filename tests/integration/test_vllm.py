@@ -1,0 +1,211 @@
+"""A real vLLM server (vLLM's CPU build) beside the embedded engine, loaded with the same weights:
+the differential of greedy tokens and log-probs, before and after a weight update through each
+one's own protocol (vLLM's RL API over the fasync-gloo transfer engine; SGLang's tensor update),
+the sampled distribution's log-probs, aborts that keep their tokens and per-token versions, and
+the weight check that catches a server holding other weights."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from lightning_fasync.config import VLLMArgs
+from lightning_fasync.fleet.client import SGLangClient
+from lightning_fasync.fleet.launch import launch_server
+from lightning_fasync.fleet.vllm import VLLMPlan, VLLMPool
+from lightning_fasync.pipeline.engine_client import GenerateRequest, SamplingParams
+from lightning_fasync.policy import build_policy
+from lightning_fasync.weights.sync import TensorWeightSync, WeightSyncError
+from lightning_fasync.weights.vllm_sync import VLLMWeightSync
+from tests.helpers.vllm import vllm_python, write_tiny_hd32
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = 32
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """One vLLM server and one embedded engine, both serving the tiny-hd32 directory; the trainer's model."""
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("vllm")
+    model_dir = write_tiny_hd32(str(root / "model"))
+    pool = VLLMPool(VLLMPlan(python, model_dir, None, None), VLLMArgs(max_num_seqs=64), cpu_cores=[[1]],
+                    context_length=512, log_dir=str(root), startup_timeout=600)
+    embedded = launch_server(model_dir, threads=1, cpu_cores=[0], context_length=512, wait=False)
+    try:
+        pool.start()
+        embedded.wait_healthy(300)
+        model, _ = build_policy("tiny-hd32")
+        yield pool, embedded, model, root
+    finally:
+        embedded.stop()
+        pool.stop()
+
+
+def prompts(seed):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(4, 99) for _ in range(rng.randrange(3, 20))] for _ in range(PROMPTS)]
+
+
+def greedy(client, ids, tag):
+    async def run():
+        try:
+            return await asyncio.gather(*(client.generate(GenerateRequest(
+                f"{tag}-{i}", p, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)))
+                for i, p in enumerate(ids)))
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+def assert_same(ours, theirs):
+    for a, b in zip(ours, theirs):
+        assert a.output_ids == b.output_ids, (a.rid, a.output_ids, b.output_ids)
+        worst = max(abs(x - y) for x, y in zip(a.output_log_probs, b.output_log_probs))
+        assert worst < 1e-4, (a.rid, worst)
+
+
+def hf_logprobs(model, prompt, output, temperature=1.0):
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)]
+
+
+def perturbed(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+
+
+def test_greedy_tokens_and_logprobs_match_the_embedded_engine_before_and_after_a_weight_update(engines):
+    pool, embedded, model, _ = engines
+    ids = prompts(0)
+    ours = greedy(SGLangClient([embedded.url]), ids, "emb0")
+    theirs = greedy(pool.client(), ids, "vllm0")
+    assert_same(ours, theirs)
+    # Both are the transformers model's own log-probs (float32 on both sides).
+    for r, p in zip(theirs[:4], ids):
+        assert max(abs(a - b) for a, b in zip(r.output_log_probs, hf_logprobs(model, p, r.output_ids))) < 1e-4
+    assert {v for r in theirs for v in r.weight_versions} == {0}
+    before = [r.output_ids for r in theirs]
+
+    # New weights through each engine's own update protocol, labelled version 1.
+    weights = perturbed(model, 1)
+
+    async def update():
+        vsync = VLLMWeightSync(pool.client(), model="tiny-hd32", timeout_s=120)
+        esync = TensorWeightSync(SGLangClient([embedded.url]), timeout_s=120)
+        try:
+            await vsync.push(weights, 1, step=0)
+            await esync.push(weights, 1, step=0)
+        finally:
+            await vsync.close()
+            await esync.close()
+
+    asyncio.run(update())
+    ids = prompts(1)
+    ours = greedy(SGLangClient([embedded.url]), ids, "emb1")
+    theirs = greedy(pool.client(), ids, "vllm1")
+    assert_same(ours, theirs)
+    assert {v for r in theirs for v in r.weight_versions} == {1}
+    model.load_state_dict(weights)
+    for r, p in zip(theirs[:4], ids):
+        assert max(abs(a - b) for a, b in zip(r.output_log_probs, hf_logprobs(model, p, r.output_ids))) < 1e-4
+    # The new weights are served: the first prompts' continuations changed.
+    assert [r.output_ids for r in greedy(pool.client(), prompts(0), "vllm0b")] != before
+
+
+def test_sampled_logprobs_are_the_sampling_distributions(engines):
+    """At temperature 0.7 the log-prob vLLM reports for each sampled token is log softmax(logits / 0.7)
+    of the weights it holds: what the importance weights divide by."""
+    pool, _, model, _ = engines
+
+    async def sample():
+        client = pool.client()
+        try:
+            return await asyncio.gather(*(client.generate(GenerateRequest(
+                f"t-{i}", p, SamplingParams(max_new_tokens=16, temperature=0.7, ignore_eos=True, sampling_seed=i)))
+                for i, p in enumerate(prompts(2)[:8])))
+        finally:
+            await client.close()
+
+    weights = asyncio.run(_served_weights(pool, model))
+    results = asyncio.run(sample())
+    model.load_state_dict(weights)
+    for r, p in zip(results, prompts(2)[:8]):
+        ref = hf_logprobs(model, p, r.output_ids, temperature=0.7)
+        raw = hf_logprobs(model, p, r.output_ids, temperature=1.0)
+        assert max(abs(a - b) for a, b in zip(r.output_log_probs, ref)) < 1e-4
+        assert max(abs(a - b) for a, b in zip(r.output_log_probs, raw)) > 1e-2  # not the raw distribution's
+
+
+async def _served_weights(pool, model):
+    """The weights the server holds now: pushed here (version 5), so the test does not depend on order."""
+    weights = perturbed(model, 5)
+    sync = VLLMWeightSync(pool.client(), model="tiny-hd32", timeout_s=120)
+    try:
+        await sync.push(weights, 5)
+    finally:
+        await sync.close()
+    return weights
+
+
+def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_after_an_update(engines):
+    """What rollout.partial does on vLLM: the pause before a sync aborts a long request, which comes
+    back with the tokens it has (labelled with the version that sampled them); after the update it
+    goes on from prompt + those tokens, and the new tokens carry the new version."""
+    pool, _, model, _ = engines
+    weights = perturbed(model, 7)
+
+    async def run():
+        client = pool.client()
+        sync = VLLMWeightSync(pool.client(), model="tiny-hd32", timeout_s=120)
+        try:
+            await sync.push(perturbed(model, 6), 6)
+            # Sixteen long requests decode together; the sync's pause comes while they run.
+            batch = prompts(3)[:16]
+            longs = [asyncio.ensure_future(client.generate(GenerateRequest(
+                f"long-{i}", p, SamplingParams(max_new_tokens=480, temperature=1.0, ignore_eos=True))))
+                for i, p in enumerate(batch)]
+            await asyncio.sleep(0.3)
+            await sync.push(weights, 7)
+            done = await asyncio.gather(*longs)
+            aborted = [(p, r) for p, r in zip(batch, done) if r.finish_reason == "abort"]
+            assert aborted, [r.finish_reason for r in done]
+            prompt, first = aborted[0]
+            rest = await client.generate(GenerateRequest(
+                "long-rest", prompt + first.output_ids, SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)))
+            return prompt, first, rest
+        finally:
+            await sync.close()
+            await client.close()
+
+    prompt, first, rest = asyncio.run(run())
+    assert 0 < len(first.output_ids) < 480
+    assert first.weight_versions == [6] * len(first.output_ids)
+    assert len(first.output_log_probs) == len(first.output_ids)
+    assert rest.weight_versions == [7] * 8
+    model.load_state_dict(weights)
+    ref = hf_logprobs(model, prompt + first.output_ids, rest.output_ids)
+    assert max(abs(a - b) for a, b in zip(rest.output_log_probs, ref)) < 1e-4
+
+
+def test_the_weight_check_refuses_a_server_holding_other_weights(engines):
+    pool, _, model, _ = engines
+
+    async def run():
+        sync = VLLMWeightSync(pool.client(), model="tiny-hd32", timeout_s=120)
+        try:
+            await sync.push(perturbed(model, 8), 8)  # passes its own check
+            sync._pushed = perturbed(model, 9)  # what the trainer believes it pushed, but did not
+            with pytest.raises(WeightSyncError, match="does not hold the trainer's weights"):
+                await sync.check_served("step 8")
+        finally:
+            sync._pushed = None
+            await sync.close()
+
+    asyncio.run(run())
