@@ -109,3 +109,17 @@ def test_the_server_command_line_and_environment(tmp_path):
     env = pool._env(0)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1,2"
+
+
+def test_each_request_goes_to_the_least_busy_serving_server():
+    from lightning_fasync.fleet.vllm import VLLMClient
+    from lightning_fasync.fleet.workers import WorkerSet
+
+    workers = WorkerSet(["http://a:1", "http://b:1", "http://c:1"])
+    client = VLLMClient(workers.urls, workers=workers)
+    client._busy = {"http://a:1": 3, "http://b:1": 1, "http://c:1": 2}
+    assert client._generate_url() == "http://b:1"
+    workers.remove("http://b:1")  # out of service: not sent to
+    assert client._generate_url() == "http://c:1"
+    assert client.clone()._busy == {}  # a clone counts its own requests
+

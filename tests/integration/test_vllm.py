@@ -6,6 +6,7 @@ the weight check that catches a server holding other weights."""
 
 import asyncio
 import random
+import re
 
 import pytest
 import torch
@@ -154,6 +155,13 @@ async def _served_weights(pool, model):
     return weights
 
 
+async def running(client, url):
+    """vLLM's ``vllm:num_requests_running`` gauge, from its Prometheus ``/metrics``."""
+    text = await client._request("GET", url + "/metrics")
+    found = re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_after_an_update(engines):
     """What rollout.partial does on vLLM: the pause before a sync aborts a long request, which comes
     back with the tokens it has (labelled with the version that sampled them); after the update it
@@ -171,7 +179,13 @@ def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_
             longs = [asyncio.ensure_future(client.generate(GenerateRequest(
                 f"long-{i}", p, SamplingParams(max_new_tokens=480, temperature=1.0, ignore_eos=True))))
                 for i, p in enumerate(batch)]
-            await asyncio.sleep(0.3)
+            # Until vLLM runs them (a request sent while the server is paused would wait for the
+            # resume, whole), then a moment for their first tokens.
+            deadline = asyncio.get_running_loop().time() + 120
+            while await running(client, pool.worker_urls[0]) < len(batch):
+                assert asyncio.get_running_loop().time() < deadline, "vLLM did not run the requests"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
             await sync.push(weights, 7)
             done = await asyncio.gather(*longs)
             aborted = [(p, r) for p, r in zip(batch, done) if r.finish_reason == "abort"]
@@ -209,3 +223,38 @@ def test_the_weight_check_refuses_a_server_holding_other_weights(engines):
             await sync.close()
 
     asyncio.run(run())
+
+
+def test_external_takes_vllm_servers_someone_else_runs(engines):
+    """`rollout.backend: external` with `rollout.weight_sync: vllm`: the run's client and weight
+    sync speak vLLM's API to servers it did not start (the pool's, here), through the registry."""
+    from lightning_fasync.config import load_config, validate
+    from lightning_fasync.registry import ENGINE_BACKENDS, WEIGHT_PATHS, EngineStart
+    from lightning_fasync.weights.sync import resolve_weight_sync
+
+    pool, _, model, _ = engines
+    cfg = validate(load_config({"rollout": {"backend": "external", "weight_sync": "vllm",
+                                            "engine_urls": pool.worker_urls}}))
+    external = ENGINE_BACKENDS.get("external").start(EngineStart(
+        cfg=cfg, engine_model=None, plan=None, prepared=None, context_length=512, log_dir=None, startup_timeout=60))
+    weights = perturbed(model, 10)
+    path = WEIGHT_PATHS.get(resolve_weight_sync(cfg))
+
+    async def run():
+        client = external.client()
+        sync = path.make(external.client(), **path.options(cfg, "tiny-hd32"), timeout_s=120)
+        try:
+            await sync.push(weights, 10)
+            return await client.generate(GenerateRequest(
+                "ext", prompts(4)[0], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)))
+        finally:
+            await sync.close()
+            await client.close()
+
+    result = asyncio.run(run())
+    external.stop()
+    assert result.weight_versions == [10] * 8
+    model.load_state_dict(weights)
+    ref = hf_logprobs(model, prompts(4)[0], result.output_ids)
+    assert max(abs(a - b) for a, b in zip(result.output_log_probs, ref)) < 1e-4
+
