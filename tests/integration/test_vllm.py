@@ -24,6 +24,7 @@ from tests.helpers.vllm import vllm_python, write_tiny_hd32
 pytestmark = pytest.mark.slow
 
 PROMPTS = 32
+LONG = 480  # tokens of each of the abort test's 64 requests: ~30,000 in all, seconds on an idle core
 
 
 @pytest.fixture(scope="module")
@@ -174,10 +175,10 @@ def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_
         sync = VLLMWeightSync(pool.client(), model="tiny-hd32", timeout_s=120)
         try:
             await sync.push(perturbed(model, 6), 6)
-            # Sixteen long requests decode together; the sync's pause comes while they run.
-            batch = prompts(3)[:16]
+            # 64 long requests decode together; the sync's pause comes while they run.
+            batch = prompts(3) + prompts(5)
             longs = [asyncio.ensure_future(client.generate(GenerateRequest(
-                f"long-{i}", p, SamplingParams(max_new_tokens=480, temperature=1.0, ignore_eos=True))))
+                f"long-{i}", p, SamplingParams(max_new_tokens=LONG, temperature=1.0, ignore_eos=True))))
                 for i, p in enumerate(batch)]
             # Until vLLM runs them (a request sent while the server is paused would wait for the
             # resume, whole), then a moment for their first tokens.
@@ -186,10 +187,13 @@ def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_
                 assert asyncio.get_running_loop().time() < deadline, "vLLM did not run the requests"
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.2)
+            t0 = asyncio.get_running_loop().time()
+            finished_before = sum(f.done() for f in longs)
             await sync.push(weights, 7)
             done = await asyncio.gather(*longs)
             aborted = [(p, r) for p, r in zip(batch, done) if r.finish_reason == "abort"]
-            assert aborted, [r.finish_reason for r in done]
+            assert aborted, ([(r.finish_reason, len(r.output_ids), r.weight_versions[-1:]) for r in done],
+                             finished_before, asyncio.get_running_loop().time() - t0)
             prompt, first = aborted[0]
             rest = await client.generate(GenerateRequest(
                 "long-rest", prompt + first.output_ids, SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)))
@@ -199,7 +203,7 @@ def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_
             await client.close()
 
     prompt, first, rest = asyncio.run(run())
-    assert 0 < len(first.output_ids) < 480
+    assert 0 < len(first.output_ids) < LONG
     assert first.weight_versions == [6] * len(first.output_ids)
     assert len(first.output_log_probs) == len(first.output_ids)
     assert rest.weight_versions == [7] * 8
