@@ -227,7 +227,7 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k not in ("runs",)}, indent=1))
-    print(f"written: {path}")
+    print(f"written: {os.path.relpath(path, REPO)}")
 
 
 if __name__ == "__main__":
