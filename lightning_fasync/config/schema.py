@@ -402,7 +402,7 @@ class RolloutConfig:
     """The most MiB of weights per bucket (one broadcast, one serialised payload or one safetensors
     shard); a larger tensor goes alone. Bigger buckets mean fewer round trips and more memory held."""
     engine_restart: EngineRestartConfig = field(default_factory=EngineRestartConfig)
-    """Engine and router fault handling (embedded engines)."""
+    """Engine and router fault handling (the embedded engines and the vllm backend's servers)."""
     backend: str = "embedded"
     """Who runs the rollout engines (docs/backends.md): ``embedded`` (this package's engine, started per
     replica), ``sglang`` (one ``python -m sglang.launch_server`` per replica of ``rollout.sglang_replicas``
