@@ -29,6 +29,7 @@ from lightning_fasync.fleet.client import SGLangClient
 from lightning_fasync.engine.engine import MEMORY_TAGS, Engine
 from lightning_fasync.fleet.launch import launch_server
 from lightning_fasync.engine.server import build_app
+from tests.helpers.engine import call
 
 _SPEC = importlib.util.find_spec("sglang")  # locates the package without importing it
 SGLANG_DIR = os.path.dirname(_SPEC.origin) if _SPEC is not None and _SPEC.origin else None
@@ -66,13 +67,6 @@ def serve(policy, body, *servers_kwargs):
     finally:
         for e in engines:
             e.stop()
-
-
-async def call(session, method, url, json=None):
-    async with session.request(method, url, json=json) as r:
-        if r.content_type == "application/json":
-            return r.status, await r.json()
-        return r.status, await r.text()
 
 
 async def until(predicate, timeout=30.0):

@@ -10,16 +10,15 @@ from __future__ import annotations
 import asyncio
 import re
 
-import aiohttp
 import pytest
 import torch
-from aiohttp.test_utils import TestServer
 
 from lightning_fasync.engine import protocol
 from lightning_fasync.engine.engine import Engine
 from lightning_fasync.engine.model_runner import KVCacheTooLargeError, plan_kv_pool
-from lightning_fasync.engine.server import build_app, parse_args
+from lightning_fasync.engine.server import parse_args
 from lightning_fasync.policy import build_policy
+from tests.helpers.engine import call, serve
 
 VOCAB = 99  # the tiny preset's
 
@@ -27,33 +26,6 @@ VOCAB = 99  # the tiny preset's
 @pytest.fixture(scope="module")
 def policy():
     return build_policy("tiny")
-
-
-def serve(policy, body, app_kwargs=None, **engine_kwargs):
-    """Run ``body(session, base_url, engine)`` against an in-process server on a free port."""
-    model, tok = policy
-    engine = Engine(model, **{"max_running_requests": 8, **engine_kwargs})
-
-    async def main():
-        server = TestServer(build_app(engine, tok, "tiny", **(app_kwargs or {})), host="127.0.0.1")
-        await server.start_server()
-        try:
-            async with aiohttp.ClientSession() as session:
-                return await body(session, str(server.make_url("")).rstrip("/"), engine)
-        finally:
-            await server.close()
-
-    try:
-        return asyncio.run(asyncio.wait_for(main(), 120))
-    finally:
-        engine.stop()
-
-
-async def call(session, method, url, json=None):
-    async with session.request(method, url, json=json) as r:
-        if r.content_type == "application/json":
-            return r.status, await r.json()
-        return r.status, await r.text()
 
 
 async def wait_running(session, url, n=1):

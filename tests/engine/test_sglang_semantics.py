@@ -20,6 +20,7 @@ from aiohttp.test_utils import TestServer
 from lightning_fasync.policy import build_policy
 from lightning_fasync.engine.engine import Engine
 from lightning_fasync.engine.server import build_app
+from tests.helpers.engine import serve as serve_app
 
 
 @pytest.fixture(scope="module")
@@ -29,23 +30,7 @@ def policy():
 
 def serve(policy, body, **engine_kwargs):
     """Run ``body(session, url, engine)`` against an in-process server over its own copy of the model."""
-    model, tok = policy
-    model = copy.deepcopy(model)  # weight updates below must not leak into other tests
-    engine = Engine(model, **{"max_running_requests": 8, **engine_kwargs})
-
-    async def main():
-        server = TestServer(build_app(engine, tok, "tiny"), host="127.0.0.1")
-        await server.start_server()
-        try:
-            async with aiohttp.ClientSession() as session:
-                return await body(session, str(server.make_url("")).rstrip("/"), engine)
-        finally:
-            await server.close()
-
-    try:
-        return asyncio.run(asyncio.wait_for(main(), 180))
-    finally:
-        engine.stop()
+    return serve_app(policy, body, own_model=True, timeout=180, **engine_kwargs)
 
 
 async def post(session, url, body=None):
