@@ -381,21 +381,17 @@ class SGLangPool(_UnsupervisedPool):
         self._stopped = False
 
     def _launch(self, index: int, replica: Any) -> Any:
-        from lightning_fasync.fleet.launch import ServerHandle, _spawn, free_port
+        from lightning_fasync.fleet.launch import free_port, spawn_watched
 
         port = self.args.port + index if self.args.port else free_port()
         server = sglang_server_command(self.model, self.args, port, tp_size=len(replica.gpus), nccl_port=free_port(),
                                        context_length=self.context_length) + self.server_args
-        cmd = [sys.executable, "-m", "lightning_fasync.fleet.watchdog", "--parent-pid", str(os.getpid()), "--", *server]
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(replica.gpus))
         fake = os.environ.get(FAKE_SGLANG_ENV)
         if fake:
             env["PYTHONPATH"] = os.pathsep.join([fake, *filter(None, [env.get("PYTHONPATH")])])
-        # A session of its own: the watchdog, the server and its workers share one process group.
-        proc, log_path = _spawn(cmd, replica.name, env, log_path=os.path.join(self.log_dir, f"{replica.name}.log"))
-        handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path, f"sglang server {replica.name}@{port}")
-        handle.keep_log = True  # the run's own log directory
-        return handle
+        return spawn_watched(server, replica.name, env, os.path.join(self.log_dir, f"{replica.name}.log"),
+                             f"http://127.0.0.1:{port}", f"sglang server {replica.name}@{port}")
 
     def start(self) -> "SGLangPool":
         """Start every server at once, wait for each, then the router. Stops everything on failure."""

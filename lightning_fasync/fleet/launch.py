@@ -182,6 +182,18 @@ def _spawn(cmd: list[str], name: str, env: Optional[dict[str, str]] = None,
     return proc, log_path
 
 
+def spawn_watched(server: list[str], name: str, env: dict[str, str], log_path: str, url: str, label: str,
+                  cwd: Optional[str] = None) -> ServerHandle:
+    """Start a server command under :mod:`~lightning_fasync.fleet.watchdog` (stopped when this
+    process dies) in a session of its own, the watchdog, the server and its workers one process
+    group, its output in ``log_path`` (kept: the run's own log directory); not waited for."""
+    cmd = [sys.executable, "-m", "lightning_fasync.fleet.watchdog", "--parent-pid", str(os.getpid()), "--", *server]
+    proc, log_path = _spawn(cmd, name, env, log_path=log_path, cwd=cwd)
+    handle = ServerHandle(proc, url, log_path, label)
+    handle.keep_log = True
+    return handle
+
+
 def launch_server(
     model: str,
     port: Optional[int] = None,

@@ -425,19 +425,15 @@ class VLLMPool(RolloutPool):
         return env
 
     def _launch(self, index: int, port: Optional[int] = None) -> Any:
-        from lightning_fasync.fleet.launch import ServerHandle, _spawn, free_port
+        from lightning_fasync.fleet.launch import free_port, spawn_watched
 
         if port is None:
             port = self.args.port + index if self.args.port else free_port()
-        cmd = [sys.executable, "-m", "lightning_fasync.fleet.watchdog", "--parent-pid", str(os.getpid()), "--",
-               *self.command(port)]
         # In its log directory: a checkout's metadata in the working directory would shadow the
         # installed package's entry points (vLLM finds its plugins through them).
-        proc, log_path = _spawn(cmd, f"vllm-{index}", self._env(index), cwd=self.log_dir,
-                                log_path=os.path.join(self.log_dir, f"replica-{index}.log"))
-        handle = ServerHandle(proc, f"http://127.0.0.1:{port}", log_path, f"vLLM server {index}@{port}")
-        handle.keep_log = True  # the run's own log directory
-        return handle
+        return spawn_watched(self.command(port), f"vllm-{index}", self._env(index),
+                             os.path.join(self.log_dir, f"replica-{index}.log"), f"http://127.0.0.1:{port}",
+                             f"vLLM server {index}@{port}", cwd=self.log_dir)
 
     def start(self) -> "VLLMPool":
         """Start every server at once and wait for each. Stops everything on failure."""

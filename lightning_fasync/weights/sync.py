@@ -296,15 +296,19 @@ class WeightSync(abc.ABC):
         # replica that comes back gets them before it serves (the supervisor reports a lasting loss).
         await asyncio.gather(*(self._update(u, path, body_for(u), where) for u in self.client.worker_urls))
 
+    size_query: ClassVar[tuple[str, str]] = ("/get_server_info", "tp_size")
+    """Where an engine says how many ranks receive the weights: the GET path and its answer's key."""
+
     async def tp_sizes(self, urls: Sequence[str]) -> list[int]:
-        """Each engine's TP size, from ``/get_server_info`` (1 where it does not say); asked once."""
+        """Each engine's ranks (SGLang's TP size; :attr:`size_query`), 1 where it does not say; asked once."""
+        path, key = self.size_query
 
         async def one(url: str) -> None:
             try:
-                info = await self.client._request("GET", url + "/get_server_info", missing_ok=True)
+                info = await self.client._request("GET", url + path, missing_ok=True)
             except EngineError:
                 info = None
-            size = info.get("tp_size") if isinstance(info, dict) else None
+            size = info.get(key) if isinstance(info, dict) else None
             self._tp[url] = int(size) if isinstance(size, int) and size > 0 else 1
 
         await asyncio.gather(*(one(u) for u in urls if u not in self._tp))

@@ -133,16 +133,7 @@ class VLLMWeightSync(DistributedWeightSync):
         # vLLM answers 200 with {"message": ...}; a failure is an HTTP error, raised by the client.
         return isinstance(result, dict) and "error" not in result
 
-    async def tp_sizes(self, urls: Sequence[str]) -> list[int]:
-        """Each server's workers (TP x PP), from vLLM's ``/get_world_size``; asked once."""
-
-        async def one(url: str) -> None:
-            info = await self.client._request("GET", url + "/get_world_size?include_dp=false", missing_ok=True)
-            size = info.get("world_size") if isinstance(info, dict) else None
-            self._tp[url] = int(size) if isinstance(size, int) and size > 0 else 1
-
-        await asyncio.gather(*(one(u) for u in urls if u not in self._tp))
-        return [self._tp[u] for u in urls]
+    size_query = ("/get_world_size?include_dp=false", "world_size")  # vLLM's workers per server (TP x PP)
 
     # ------------------------------------------------------------------ the sequence
 
