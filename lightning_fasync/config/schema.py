@@ -417,6 +417,11 @@ class RolloutConfig:
     engine_startup_timeout: float = 180.0
     """Seconds each engine server (or external URL) has to answer ``/health`` at start; past it the run
     stops with the server's log tail."""
+    engine_device: str = "cpu"
+    """``rollout.backend: embedded`` only: the engine replicas' torch device, ``cpu`` or ``cuda`` /
+    ``cuda:N``. On a GPU the replicas may share the trainer's device (two processes on one GPU, as the
+    GPU check runs the main job, docs/gpu.md); the other backends' servers get the GPUs the resource
+    plan gives them."""
 
     def check(self) -> None:
         """Refuse a ``rollout.*`` value out of range, or two that contradict each other (the backend's
@@ -442,6 +447,13 @@ class RolloutConfig:
             )
         if self.max_response_length <= 0:
             raise ConfigError(f"`rollout.max_response_length` is {self.max_response_length}; it must be positive.")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.engine_device):
+            raise ConfigError(f"`rollout.engine_device` is {self.engine_device!r}; it must be cpu, cuda or cuda:N.")
+        if self.engine_device != "cpu" and self.backend != "embedded":
+            raise ConfigError(
+                f"`rollout.engine_device` is {self.engine_device!r} with `rollout.backend: {self.backend}`; it places the "
+                "embedded engine only (the other backends' servers get the resource plan's GPUs): leave it at cpu."
+            )
 
 
 @dataclass

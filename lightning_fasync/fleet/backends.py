@@ -513,8 +513,27 @@ def _start_embedded(start: EngineStart) -> Any:
         cpu_cores=plan.replica_cores,
         context_length=start.context_length,
         startup_timeout=start.startup_timeout,
-        server_args=list(start.server_args),
+        server_args=list(start.server_args) + device_args(start.cfg.rollout.engine_device),
     ).start()
+
+
+def device_args(device: str) -> list[str]:
+    """The embedded server's ``--device`` for ``rollout.engine_device`` (nothing for the CPU, its default)."""
+    return [] if device == "cpu" else ["--device", device]
+
+
+def check_embedded_config(cfg: FasyncConfig) -> None:
+    """Refuse ``rollout.engine_device`` on a GPU this process cannot see."""
+    device = cfg.rollout.engine_device
+    if device.startswith("cuda"):
+        import torch
+
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"`rollout.engine_device` is {device!r}, but this process sees {torch.cuda.device_count()} CUDA "
+                "device(s); set it to cpu or to a visible device."
+            )
 
 
 def _start_sglang(start: EngineStart) -> "SGLangPool":
@@ -536,8 +555,9 @@ def _start_external(start: EngineStart) -> "ExternalEngines":
 
 
 EMBEDDED = EngineBackend(
-    name="embedded", start=_start_embedded, supervised=True,
-    describe=lambda cfg, plan: f"{plan.num_replicas} embedded engine replica(s) on cores {plan.replica_cores}",
+    name="embedded", start=_start_embedded, check_config=check_embedded_config, supervised=True,
+    describe=lambda cfg, plan: (f"{plan.num_replicas} embedded engine replica(s) on cores {plan.replica_cores}"
+                                + ("" if cfg.rollout.engine_device == "cpu" else f", generating on {cfg.rollout.engine_device}")),
 )
 SGLANG = EngineBackend(
     name="sglang", start=_start_sglang, check_config=check_sglang_config, prepare=check_sglang_backend,

@@ -66,6 +66,11 @@ def test_capacity_is_int_of_b_times_one_plus_stale(B, stale, expected):
             "use_rollout_log_probs",
         ),
         ({"fully_async.sliding_window": "fifo"}, "`fully_async.sliding_window`", "windowed-fifo"),
+        ({"rollout.engine_device": "gpu"}, "`rollout.engine_device`", "cpu, cuda or cuda:N"),
+        ({"rollout.engine_device": "cuda", "rollout.backend": "external", "rollout.engine_urls": ["http://127.0.0.1:1"]},
+         "`rollout.engine_device`", "embedded engine only"),
+        # This machine's CUDA devices, counted by torch: none on a CPU machine, so cuda:99 anywhere.
+        ({"rollout.engine_device": "cuda:99"}, "`rollout.engine_device`", "CUDA device(s)"),
     ],
 )
 def test_forbidden_combinations_are_refused(over, key, fragment):

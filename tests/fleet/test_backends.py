@@ -549,3 +549,29 @@ def test_free_port_is_below_the_ephemeral_range_and_free():
         assert 10000 <= port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_embedded_engine_device_reaches_every_server(monkeypatch):
+    """``rollout.engine_device`` becomes the embedded server's own ``--device`` flag, in the pool's
+    server arguments (which a supervised restart reuses), and the server's parser takes it."""
+    from lightning_fasync.engine.server import parse_args
+    from lightning_fasync.fleet import pool as pool_module
+    from lightning_fasync.registry import ENGINE_BACKENDS, EngineStart
+
+    seen = []
+
+    class Pool:
+        def __init__(self, model, **kwargs):
+            seen.append(kwargs["server_args"])
+
+        def start(self):
+            return self
+
+    monkeypatch.setattr(pool_module, "RolloutPool", Pool)
+    for device, flags in (("cpu", []), ("cuda:1", ["--device", "cuda:1"])):
+        cfg = load_config({"rollout": {"engine_device": device}})
+        ENGINE_BACKENDS.get("embedded").start(EngineStart(cfg=cfg, engine_model="tiny", plan=plan_cpu_resources(1),
+                                                          prepared=None, context_length=128, log_dir=None,
+                                                          startup_timeout=60, server_args=["--enable-memory-saver"]))
+        assert seen[-1] == ["--enable-memory-saver", *flags]
+    assert parse_args(["--model", "tiny", *seen[-1]]).device == "cuda:1"
