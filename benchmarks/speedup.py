@@ -32,7 +32,7 @@ Written to `--out` (default `benchmarks/results/speedup/`): `speedup.md` (machin
 from its first round (`timeline-<mode>.png`, also logged to that run's TensorBoard). A load average
 over 0.5 per core before the start is warned about in the output.
 
-    python benchmarks/speedup.py                  # 3 rounds x 6 modes x 120 steps, ~25 minutes on 2 cores
+    python benchmarks/speedup.py                  # 3 rounds x 9 modes x 120 steps, ~40 minutes on 2 cores
     python benchmarks/speedup.py --quick          # 20 steps, 1 round: a smoke check, ~3 minutes
     python benchmarks/speedup.py --from-raw benchmarks/results/speedup   # tables again from raw/
 
@@ -78,6 +78,11 @@ MODES: list[tuple[str, list[str]]] = [
     ("fully-async, shared cores", SHARED),
     ("fully-async no-window, stale 1.0", ["--fully_async.sliding_window=no-window", "--fully_async.stale_steps=1.0"]),
     ("fully-async windowed-fifo, stale 1.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=1.0"]),
+    # How the boundary treats the requests in flight (the default aborts and resumes them).
+    ("fully-async, boundary waits", ["--rollout.partial=false"]),
+    ("fully-async, in-flight updates", ["--rollout.weight_update_mode=inflight"]),
+    ("fully-async, in-flight updates, KV recomputed", ["--rollout.weight_update_mode=inflight",
+                                                       "--rollout.inflight_kv=recompute"]),
 ]
 RUN_TIMEOUT_S = 1800
 POLL_S = 0.25

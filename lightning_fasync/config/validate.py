@@ -162,6 +162,11 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
                 f"`rollout.sampler.num_oversample` is {cfg.rollout.sampler.num_oversample} while "
                 "`fully_async.enable` is true; it must be 0, extra in-flight capacity comes from fully_async.stale_steps."
             )
+    if cfg.rollout.weight_update_mode == "inflight" and not fa.enable:
+        raise ConfigError(
+            "`rollout.weight_update_mode` is inflight while `fully_async.enable` is false; colocate steps generate "
+            "nothing during the update, so there is no request to keep in flight: use fully_async.enable: true."
+        )
     offload = cfg.colocate_offload
     if offload not in (True, False, "auto"):
         raise ConfigError(f"`colocate_offload` is {offload!r}; it must be true, false or auto.")

@@ -202,6 +202,9 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0  # output tokens sampled since start (engine thread writes)
         self.decode_retractions = 0  # requests sent back to the queue because the KV pool was full
+        self.prefill_tokens = 0  # tokens run through prefill, re-prefills of retracted requests included
+        self.aborted_requests = 0
+        self.retracted_requests = 0  # by a retract pause or a full KV pool: each is prefilled again
         self.enable_memory_saver = enable_memory_saver
         self.released_tags: set[str] = set()  # engine thread writes; see release_memory_occupation
         self._thread = threading.Thread(target=self._run, name="fasync-engine", daemon=True)
@@ -498,6 +501,8 @@ class Engine:
                             "used_tokens": runner.used_blocks * runner.page_size,
                             "mem_fraction_static": plan.mem_fraction_static, "budget_bytes": plan.budget_bytes,
                             "decode_retractions": self.decode_retractions},
+                "prefill_tokens": self.prefill_tokens, "aborted_requests": self.aborted_requests,
+                "retracted_requests": self.retracted_requests,
                 "released_tags": [t for t in MEMORY_TAGS if t in self.released_tags],
                 "enable_memory_saver": self.enable_memory_saver}
 
@@ -630,6 +635,7 @@ class Engine:
         slots = [r.slot for r in admitted]
         self.runner.allocate(slots, [len(p) for p in prompts])
         logits = self.runner.prefill(slots, prompts)
+        self.prefill_tokens += sum(len(p) for p in prompts)
         self._running.extend(admitted)
         self._running.sort(key=lambda r: r.slot)
         self._batch_params = None
@@ -658,6 +664,7 @@ class Engine:
             self._free_slots.append(req.slot)
             req.slot = None
             req.retractions += 1
+        self.retracted_requests += len(reqs)
         self._free_slots.sort()
         self._batch_params = None
         with self._cond:
@@ -829,6 +836,7 @@ class Engine:
         running = [r for r in self._running if match(r)]
         for req in queued + running:
             self._finish(req, {"type": "abort", "message": message, "status_code": status_code, "err_type": None})
+        self.aborted_requests += len(queued) + len(running)
         return len(queued) + len(running)
 
     def _finish(self, req: EngineRequest, reason: dict[str, Any], error: Optional[BaseException] = None) -> None:

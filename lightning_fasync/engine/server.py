@@ -599,6 +599,8 @@ def parse_args(argv: Optional[list[str]] = None) -> Namespace:
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="Free the memory /release_memory_occupation releases (SGLang's flag); without it the call "
                         "frees nothing, as in SGLang.")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="SGLang's flag; this engine keeps no prefix cache across requests, so it always holds.")
     p.add_argument("--enable-metrics", action="store_true",
                    help="Serve Prometheus metrics at /metrics, under SGLang's metric names (SGLang's flag).")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda).")

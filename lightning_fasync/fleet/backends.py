@@ -450,6 +450,10 @@ def check_external_config(cfg: FasyncConfig) -> None:
     for key, url in [*((f"engine_urls[{i}]", u) for i, u in enumerate(ro.engine_urls)), ("router_url", ro.router_url)]:
         if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
             raise ConfigError(f"`rollout.{key}` is {url!r}; it must be an http:// or https:// URL.")
+    if ro.boundary_mode == "inflight" and ro.inflight_kv == "keep" and ro.weight_sync != "vllm":
+        warnings.warn("`rollout.weight_update_mode` is inflight with SGLang servers someone else runs: start them with "
+                      "--disable-radix-cache, or a new request may reuse a prefix the old weights computed (the update "
+                      "cannot flush the cache while frozen requests hold it).", ConfigWarning, stacklevel=2)
 
 
 def check_sglang_config(cfg: FasyncConfig) -> None:
@@ -538,9 +542,13 @@ def check_embedded_config(cfg: FasyncConfig) -> None:
 
 def _start_sglang(start: EngineStart) -> "SGLangPool":
     assert start.engine_model and start.prepared is not None
-    return SGLangPool(start.engine_model, start.prepared, start.cfg.rollout.sglang_args,
+    ro = start.cfg.rollout
+    # In-flight updates keeping the KV cache: the update cannot flush SGLang's radix cache while the
+    # frozen requests hold it, so no prefix the old weights computed may be reused by a new request.
+    radix = ["--disable-radix-cache"] if ro.boundary_mode == "inflight" and ro.inflight_kv == "keep" else []
+    return SGLangPool(start.engine_model, start.prepared, ro.sglang_args,
                       context_length=start.context_length, log_dir=start.log_dir,
-                      startup_timeout=start.startup_timeout, server_args=start.server_args).start()
+                      startup_timeout=start.startup_timeout, server_args=[*start.server_args, *radix]).start()
 
 
 def _start_external(start: EngineStart) -> "ExternalEngines":

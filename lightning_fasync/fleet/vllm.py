@@ -52,6 +52,7 @@ PLUGIN_FLAGS: dict[str, str] = {
     "--tensor-parallel-size": "`rollout.vllm_args.tensor_parallel_size`", "--max-num-seqs": "`rollout.vllm_args.max_num_seqs`",
     "--enforce-eager": "`rollout.vllm_args.enforce_eager`", "--seed": "the plugin",
     "--gpu-memory-utilization": "`rollout.vllm_args.gpu_memory_utilization`",
+    "--no-enable-prefix-caching": "`rollout.weight_update_mode: inflight` with `rollout.inflight_kv: keep`",
 }
 """vLLM server flags the plugin sets itself, and from what (not allowed in ``extra``)."""
 
@@ -155,13 +156,15 @@ class VLLMClient(SGLangClient):
         await self._all_workers("POST", "/abort_requests", {})
 
     async def pause(self, mode: str = "abort") -> None:
-        """vLLM's ``/pause`` on every server: ``abort`` (in-flight requests return what they have) or
-        ``in_place`` (vLLM's ``keep``: they wait, frozen, for ``/resume``)."""
+        """vLLM's ``/pause`` on every server: ``abort`` (in-flight requests return what they have),
+        ``in_place`` (vLLM's ``keep`` without ``clear_cache``: they wait, frozen with their KV cache,
+        for ``/resume``) or ``retract`` (``keep`` with ``clear_cache``: frozen, their KV dropped and
+        recomputed on resume)."""
         from lightning_fasync.weights.vllm_sync import VLLM_PAUSE_MODES
 
         if mode not in VLLM_PAUSE_MODES:
             raise EngineError(f"vLLM's /pause has no mode {mode!r}; it takes {', '.join(VLLM_PAUSE_MODES)}.")
-        await self._all_workers("POST", f"/pause?mode={VLLM_PAUSE_MODES[mode]}")
+        await self._all_workers("POST", f"/pause?{VLLM_PAUSE_MODES[mode]}")
 
     async def resume(self) -> None:
         await self._all_workers("POST", "/resume")
@@ -265,6 +268,9 @@ def check_vllm_config(cfg: FasyncConfig) -> None:
     """
     from lightning_fasync.fleet.backends import check_extra
 
+    from lightning_fasync.weights.vllm_sync import check_vllm_pause
+
+    check_vllm_pause(cfg)
     va = cfg.rollout.vllm_args
     if cfg.rollout.weight_sync not in ("auto", "vllm"):
         raise ConfigError(
@@ -371,15 +377,19 @@ class VLLMPool(RolloutPool):
         context_length: vLLM ``--max-model-len``.
         log_dir: the run's log directory; server i logs to ``<log_dir>/vllm/replica-<i>.log``.
         startup_timeout: seconds each server has to answer ``/health``.
+        prefix_caching: false passes ``--no-enable-prefix-caching`` (in-flight updates: requests frozen
+            across a swap hold their blocks, so ``/reset_prefix_cache`` cannot run and no prefix the
+            old weights computed may be served to a new request).
     """
 
     def __init__(self, plan: VLLMPlan, args: VLLMArgs, num_replicas: int = 1,
                  cpu_cores: Optional[Sequence[Sequence[int]]] = None, context_length: Optional[int] = None,
-                 log_dir: Optional[str] = None, startup_timeout: float = 300.0) -> None:
+                 log_dir: Optional[str] = None, startup_timeout: float = 300.0, prefix_caching: bool = True) -> None:
         super().__init__(plan.model_dir, num_replicas=num_replicas, cpu_cores=cpu_cores, context_length=context_length,
                          startup_timeout=startup_timeout)
         self.plan = plan
         self.args = args
+        self.prefix_caching = prefix_caching
         self.log_dir = os.path.join(log_dir or tempfile.mkdtemp(prefix="fasync-"), "vllm")
         self._model_dir: Optional[str] = None
         self._own_dir: Optional[str] = None
@@ -404,6 +414,8 @@ class VLLMPool(RolloutPool):
             cmd += ["--max-model-len", str(self.context_length)]
         if va.enforce_eager:
             cmd.append("--enforce-eager")
+        if not self.prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
         if va.max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(va.max_num_seqs)]
         if va.gpu_memory_utilization is not None:
@@ -504,7 +516,9 @@ def _start_vllm(start: EngineStart) -> VLLMPool:
     return VLLMPool(start.prepared, start.cfg.rollout.vllm_args, num_replicas=replicas,
                     cpu_cores=plan.replica_cores if start.prepared.gpus is None else None,
                     context_length=start.context_length, log_dir=start.log_dir,
-                    startup_timeout=start.startup_timeout).start()
+                    startup_timeout=start.startup_timeout,
+                    prefix_caching=not (start.cfg.rollout.boundary_mode == "inflight"
+                                        and start.cfg.rollout.inflight_kv == "keep")).start()
 
 
 VLLM = EngineBackend(

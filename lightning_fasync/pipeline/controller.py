@@ -6,7 +6,10 @@ One outer step reads like the spec:
    training call, (B × N) // M times;
 2. :meth:`FullyAsyncController.pause`: stop dispatch, cancel (``rollout.partial: true``) or await
    in-flight requests, let the collector settle, recycle complete groups and drop incomplete ones,
-   clear TrajQueue, reset the strategy; groups already in the PipelineBuffer stay;
+   clear TrajQueue, reset the strategy; groups already in the PipelineBuffer stay. With
+   ``rollout.weight_update_mode: inflight`` only dispatch stops: the requests stay in flight (and
+   their groups in TrajQueue), the engines freeze them during the sync and they go on decoding
+   under the new weights (:attr:`FullyAsyncController.sync_pause_mode`);
 3. aggregate the step's metrics; save a checkpoint when ``trainer.save_freq`` says so (the
    PipelineBuffer's unconsumed prompts are recorded in it); sync the new weights to every engine
    (which flushes its cache); when ``eval.*`` says so, evaluate those weights on the engines
@@ -278,6 +281,10 @@ class FullyAsyncController:
         self._saved_step: Optional[int] = None
         self._started = False
         self._closed = False
+        self.sync_pause_mode = "abort"
+        """The engines' ``/pause_generation`` mode for the coming weight sync, set at each boundary:
+        ``abort`` (nothing is in flight by then), or at an in-flight boundary ``in_place``
+        (``rollout.inflight_kv: keep``) or ``retract`` (``recompute``). The runtime's sync reads it."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -391,13 +398,29 @@ class FullyAsyncController:
             raise PipelineError("Colocate offload needs the driver's ColocateHooks: pass them to start() and fetch().")
         return hooks
 
-    def pause(self) -> None:
+    def inflight_boundary(self, step: int) -> bool:
+        """Whether the boundary after ``step`` keeps the requests in flight: ``rollout.weight_update_mode:
+        inflight``, and this boundary neither saves (the checkpoint must hold the partial trajectories,
+        which needs them back from the engines), nor evaluates (evaluation meets no training request),
+        nor follows lost engines."""
+        return (self.cfg.rollout.boundary_mode == "inflight" and not self.colocate and self.state.fault is None
+                and not self.schedule.save_due(step) and not (self.evaluator is not None and self.schedule.eval_due(step)))
+
+    def pause(self, inflight: bool = False) -> None:
         """Stop dispatch, cancel or await in-flight requests, collect what may be collected, then
         recycle complete groups, drop incomplete ones, clear TrajQueue and reset the strategy
-        (docs/contract.md §2, step 2). The one pause-and-cleanup of every driver."""
+        (docs/contract.md §2, step 2). The one pause-and-cleanup of every driver.
+
+        ``inflight`` (:meth:`inflight_boundary`): only stop dispatch and reset the strategy; the
+        requests in flight stay dispatched, their groups in TrajQueue (R, Q and the window unchanged),
+        and the collector goes on. ``timing/pause_delay`` is then the sync's, the time the engines
+        hold them frozen (:meth:`step_boundary`)."""
         fa = self.cfg.fully_async
         t0 = self.clock()
         self.state.begin_pause()
+        if inflight:
+            self.state.strategy.reset()
+            return
         if self.cfg.rollout.partial:
             self.rollout.cancel_in_flight(fa.pause_timeout)
         else:
@@ -447,8 +470,11 @@ class FullyAsyncController:
         """
         self.state.raise_if_error()
         step = self.state.rollout_step
+        inflight = self.inflight_boundary(step)
+        self.sync_pause_mode = ({"keep": "in_place", "recompute": "retract"}[self.cfg.rollout.inflight_kv]
+                                if inflight else "abort")
         if not self.colocate:
-            self.pause()
+            self.pause(inflight)
 
         metrics = self.state.step_metrics()
         for source in self.metric_sources:
@@ -478,6 +504,8 @@ class FullyAsyncController:
             t0 = self.clock()
             with self.timer.time("update_weights"):
                 hooks.sync_weights(self.state.weight_version + 1)
+            if inflight:  # the engines held the requests frozen for exactly the sync
+                self.timer.add("pause_delay", self.clock() - t0)
             self.state.events.emit(
                 "sync", R=self.state.R, Q=self.state.Q, step=step, weight_version=self.state.weight_version + 1,
                 dur=round(self.clock() - t0, 6),

@@ -477,6 +477,9 @@ class RolloutRuntime:
             method = WEIGHT_PATHS.get(self.weight_sync).client_method
             await getattr(self._admin_client(), method)(tensors, weight_version=version)
             return
+        controller = getattr(self, "controller", None)
+        if controller is not None:  # abort, or at an in-flight boundary in_place / retract
+            sync.set_pause_mode(controller.sync_pause_mode)
         try:
             kept = await sync.push(tensors, version, step)
         finally:  # connections belong to this event loop, which ends with the push

@@ -127,12 +127,12 @@ class WeightSync(abc.ABC):
     """
 
     kind: ClassVar[str]
+    pause_modes: ClassVar[tuple[str, ...]] = PAUSE_MODES
+    """The ``pause_mode`` values this path's engines take."""
 
     def __init__(self, client: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0,
                  timeout_key: str = "admin_timeout", pause_mode: Optional[str] = "abort", keep: bool = False,
                  work_dir: Optional[str] = None) -> None:
-        if pause_mode is not None and pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode is {pause_mode!r}; it must be one of {', '.join(PAUSE_MODES)} or None.")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes is {bucket_bytes}; it must be positive.")
         self.client = client
@@ -143,10 +143,21 @@ class WeightSync(abc.ABC):
         self.timeout_s = timeout_s
         self.timeout_key = timeout_key
         self.pause_mode = pause_mode
+        self.set_pause_mode(pause_mode)
         self.keep = keep
         self.work_dir = work_dir
         self.closed = False
         self._tp: dict[str, int] = {}  # engine URL -> its TP size (from /get_server_info)
+
+    def set_pause_mode(self, mode: Optional[str]) -> None:
+        """The ``/pause_generation`` mode of the next pushes (the class docstring's ``pause_mode``).
+
+        Raises:
+            ValueError: a mode this path's engines do not take.
+        """
+        if mode is not None and mode not in self.pause_modes:
+            raise ValueError(f"pause_mode is {mode!r}; {self.kind} takes {', '.join(self.pause_modes)} or None.")
+        self.pause_mode = mode
 
     async def connect(self) -> None:
         """Prepare the path (``distributed``: form the group). Idempotent; :meth:`push` calls it."""

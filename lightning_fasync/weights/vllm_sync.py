@@ -35,8 +35,12 @@ from lightning_fasync.weights import wire as weight_wire
 from lightning_fasync.weights.group import DistributedWeightSync
 from lightning_fasync.weights.sync import Bucket, WeightSyncError, _label
 
-VLLM_PAUSE_MODES = {"abort": "abort", "in_place": "keep"}
-"""The weight syncs' pause modes as vLLM's ``/pause`` spells them (it has no ``retract``)."""
+VLLM_PAUSE_MODES = {"abort": "mode=abort", "in_place": "mode=keep&clear_cache=false",
+                    "retract": "mode=keep&clear_cache=true"}
+"""The weight syncs' pause modes as vLLM 0.32's ``/pause`` query. Its ``keep`` freezes the running
+requests; with ``clear_cache`` (its default) the engine then resets its prefix cache with
+``reset_running_requests``, which preempts them: their KV is recomputed on resume (SGLang's
+``retract``). Only ``clear_cache=false`` keeps it (``in_place``)."""
 
 PROBE_TOKENS = 16
 """Tokens of the probe whose log-probs the check compares (:func:`probe_ids`)."""
@@ -99,13 +103,12 @@ class VLLMWeightSync(DistributedWeightSync):
     """
 
     kind = "vllm"
+    pause_modes = tuple(VLLM_PAUSE_MODES)
 
     def __init__(self, *args: Any, model: Optional[str] = None, check_weights: bool = True, dtype: Any = "float32",
                  **kwargs: Any) -> None:
         kwargs["flatten"] = True  # one uint8 broadcast per bucket, checked by its digest
         super().__init__(*args, **kwargs)
-        if self.pause_mode is not None and self.pause_mode not in VLLM_PAUSE_MODES:
-            raise ValueError(f"pause_mode is {self.pause_mode!r}; vLLM's /pause takes {', '.join(VLLM_PAUSE_MODES)} or None.")
         self.model = model
         self.check_weights = check_weights and model is not None
         self.dtype = weight_wire.parse_dtype(dtype) if isinstance(dtype, str) else dtype
@@ -148,7 +151,7 @@ class VLLMWeightSync(DistributedWeightSync):
         await self.connect()
         mode = VLLM_PAUSE_MODES.get(self.pause_mode) if self.pause_mode is not None else None
         if mode is not None:
-            await self._all(f"/pause?mode={mode}", None, where, "pause")
+            await self._all(f"/pause?{mode}", None, where, "pause")
         started = False
         try:
             if self.members:
@@ -162,7 +165,9 @@ class VLLMWeightSync(DistributedWeightSync):
             if started:  # a failed push: end the session so the next one can start; stay paused
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._all("/finish_weight_update", {}, where, "finish_weight_update"), 10)
-        if self.members:
+        # Frozen requests (in_place: vLLM's keep) hold their blocks, so the cache cannot be reset;
+        # servers this plugin starts then run without prefix caching (VLLMPool.prefix_caching).
+        if self.members and self.pause_mode != "in_place":
             await self._all("/reset_prefix_cache", None, where, "reset_prefix_cache")
         if mode is not None:
             await self._all("/resume", None, where, "resume")
@@ -230,6 +235,20 @@ def check_vllm_path(cfg: Any) -> None:
             f"`rollout.weight_sync` is vllm while `rollout.backend` is {cfg.rollout.backend}; the vllm path speaks "
             "vLLM's RL API, set rollout.backend: vllm (or external, for vLLM servers someone else runs)."
         )
+    check_vllm_pause(cfg)
+
+
+def check_vllm_pause(cfg: Any) -> None:
+    """Warn that external vLLM servers need ``--no-enable-prefix-caching`` for in-flight updates that
+    keep the KV cache (frozen requests hold their blocks, so the prefix cache cannot be reset)."""
+    if cfg.rollout.boundary_mode == "inflight" and cfg.rollout.inflight_kv == "keep" and cfg.rollout.backend == "external":
+        import warnings
+
+        from lightning_fasync.errors import ConfigWarning
+
+        warnings.warn("`rollout.weight_update_mode` is inflight with external vLLM servers: start them with "
+                      "--no-enable-prefix-caching, or a new request may reuse a prefix the old weights computed.",
+                      ConfigWarning, stacklevel=2)
 
 
 VLLM = WeightPath(

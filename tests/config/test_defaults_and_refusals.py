@@ -66,6 +66,13 @@ def test_capacity_is_int_of_b_times_one_plus_stale(B, stale, expected):
             "use_rollout_log_probs",
         ),
         ({"fully_async.sliding_window": "fifo"}, "`fully_async.sliding_window`", "windowed-fifo"),
+        ({"rollout.weight_update_mode": "sometimes"}, "`rollout.weight_update_mode`", "wait, abort, inflight"),
+        ({"rollout.weight_update_mode": "inflight"}, "`rollout.weight_update_mode`", "needs partial: true"),
+        ({"rollout.partial": True, "rollout.weight_update_mode": "wait"}, "`rollout.weight_update_mode`",
+         "partial: false"),
+        ({"rollout.partial": True, "rollout.inflight_kv": "recompute"}, "`rollout.inflight_kv`", "in-flight updates only"),
+        ({"rollout.partial": True, "rollout.weight_update_mode": "inflight", "rollout.inflight_kv": "rebuild"},
+         "`rollout.inflight_kv`", "keep or recompute"),
         ({"rollout.engine_device": "gpu"}, "`rollout.engine_device`", "cpu, cuda or cuda:N"),
         ({"rollout.engine_device": "cuda", "rollout.backend": "external", "rollout.engine_urls": ["http://127.0.0.1:1"]},
          "`rollout.engine_device`", "embedded engine only"),
@@ -132,3 +139,17 @@ def test_plugins_must_import():
     cfg = fully_async(**{"fully_async.plugins": ["no_such_module_xyz"]})
     with pytest.raises(ConfigError, match="`fully_async.plugins` lists 'no_such_module_xyz'"):
         validate(cfg)
+
+
+def test_inflight_updates_need_fully_async():
+    cfg = load_config({"rollout": {"partial": True, "weight_update_mode": "inflight"}})
+    with pytest.raises(ConfigError, match="`rollout.weight_update_mode` is inflight while `fully_async.enable` is false"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("partial,mode,effective", [(False, None, "wait"), (True, None, "abort"),
+                                                    (True, "inflight", "inflight"), (True, "abort", "abort")])
+def test_the_boundary_mode_reads_partial_when_unset(partial, mode, effective):
+    cfg = fully_async(**{"rollout.partial": partial, "rollout.weight_update_mode": mode})
+    validate(cfg)
+    assert cfg.rollout.boundary_mode == effective

@@ -18,9 +18,14 @@ SAVE_FREQ, KILL_IN_STEP = 2, 5  # checkpoints after steps 1, 3, 5, ...; the kill
 
 
 @pytest.mark.slow
-def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(tmp_path):
+@pytest.mark.parametrize("mode", ["abort", "inflight"])
+def test_sigkill_mid_step_then_resume_loses_and_duplicates_nothing(tmp_path, mode):
+    """The main job aborts and resumes in-flight requests at each boundary (``abort``), or keeps them
+    in flight across the boundaries that do not save (``inflight``: its groups then cross
+    boundaries in TrajQueue, and the saving ones bring them back into the checkpoint)."""
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
-           "--trainer.enable_progress_bar=false", f"--trainer.save_freq={SAVE_FREQ}", f"--trainer.rollout_steps={STEPS}"]
+           "--trainer.enable_progress_bar=false", f"--trainer.save_freq={SAVE_FREQ}", f"--trainer.rollout_steps={STEPS}",
+           f"--rollout.weight_update_mode={mode}"]
     with open(tmp_path / "run1.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     ledger1 = os.path.join(tmp_path, "lightning_logs", "version_0", "ledger.jsonl")

@@ -212,6 +212,65 @@ def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_
     assert max(abs(a - b) for a, b in zip(rest.output_log_probs, ref)) < 1e-4
 
 
+@pytest.mark.parametrize("kv", ["keep", "recompute"])
+def test_an_inflight_update_freezes_the_requests_and_keeps_or_recomputes_their_kv(engines, kv):
+    """``rollout.weight_update_mode: inflight`` on vLLM: the sync pauses with ``/pause?mode=keep``, so
+    the running requests are frozen, not aborted, and go on under the new weights after ``/resume``.
+    Every request ends with all its tokens; the ones that crossed the swap carry both versions. Their
+    log-probs after it are, with ``keep`` (``clear_cache=false``), the new weights reading the cache the
+    old weights filled (HF's own KV cache as the reference); with ``recompute`` (``clear_cache=true``,
+    which preempts them), the new weights over the whole sequence. Each differs from the other's."""
+    pool, _, model, _ = engines
+    old_w, new_w = perturbed(model, 8), perturbed(model, 9)
+    n = 8
+
+    async def run():
+        client = pool.client()
+        sync = VLLMWeightSync(pool.client(), model="tiny-hd32", timeout_s=120, check_weights=False,
+                              pause_mode={"keep": "in_place", "recompute": "retract"}[kv])
+        try:
+            await sync.push(old_w, 8)
+            batch = prompts(11)[:n]
+            longs = [asyncio.ensure_future(client.generate(GenerateRequest(
+                f"{kv}-{i}", p, SamplingParams(max_new_tokens=LONG, temperature=1.0, ignore_eos=True))))
+                for i, p in enumerate(batch)]
+            deadline = asyncio.get_running_loop().time() + 120
+            while await running(client, pool.worker_urls[0]) < n:
+                assert asyncio.get_running_loop().time() < deadline, "vLLM did not run the requests"
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)
+            await sync.push(new_w, 9)
+            return batch, await asyncio.gather(*longs)
+        finally:
+            await sync.close()
+            await client.close()
+
+    batch, done = asyncio.run(run())
+    assert [r.finish_reason for r in done] == ["length"] * n and all(len(r.output_ids) == LONG for r in done)
+    crossed = [(p, r) for p, r in zip(batch, done) if r.weight_versions[0] == 8 and r.weight_versions[-1] == 9]
+    assert crossed, [sorted(set(r.weight_versions)) for r in done]
+    old_m, new_m = build_policy("tiny-hd32")[0], build_policy("tiny-hd32")[0]
+    old_m.load_state_dict(old_w)
+    new_m.load_state_dict(new_w)
+    for prompt, r in crossed[:3]:
+        v = r.weight_versions
+        assert v == sorted(v)
+        k = v.index(9)
+        seq = torch.tensor([prompt + r.output_ids])
+        p = len(prompt)
+        with torch.no_grad():
+            cut = p + k - 1  # the last old token is fed, under the new weights, at the first step after the swap
+            cache = old_m(seq[:, :cut], use_cache=True).past_key_values
+            after = torch.log_softmax(new_m(seq[:, cut: p - 1 + LONG], past_key_values=cache).logits[0].float(), -1)
+        kept = [after[i, t].item() for i, t in enumerate(r.output_ids[k:])]
+        recomputed = hf_logprobs(new_m, prompt, r.output_ids)[k:]
+        want, other = (kept, recomputed) if kv == "keep" else (recomputed, kept)
+        assert max(abs(a - b) for a, b in zip(r.output_log_probs[k:], want)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(r.output_log_probs[k:], other)) > 1e-2
+        before = hf_logprobs(old_m, prompt, r.output_ids[:k])
+        assert max(abs(a - b) for a, b in zip(r.output_log_probs[:k], before)) < 1e-3
+
+
 def test_the_weight_check_refuses_a_server_holding_other_weights(engines):
     pool, _, model, _ = engines
 

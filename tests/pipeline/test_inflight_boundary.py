@@ -1,0 +1,169 @@
+"""Step boundaries with ``rollout.weight_update_mode: inflight`` (docs/weight_sync.md, "In-flight updates").
+
+- The controller (fast, a fake clock): an in-flight boundary stops dispatch only, leaves the groups
+  in flight dispatched (R, TrajQueue unchanged), tells the sync to freeze in place (or to retract,
+  for ``inflight_kv: recompute``), and ``timing/pause_delay`` is the sync's time exactly; a boundary
+  that saves runs as ``abort``.
+- Real embedded engine (slow): six steps of the repeat task with weights pushed over the
+  ``tensor`` path at every boundary. Nothing is aborted or prefilled twice on the engine; trajectories
+  cross one and two swaps with per-token versions that only grow, exactly as the engine reports them;
+  ``partial_ratio`` and ``partial_span_max`` count those crossings; nothing is recycled; every
+  prompt is consumed once (ledger).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+import torch
+
+from lightning_fasync.pipeline.controller import FullyAsyncController
+from lightning_fasync.pipeline.datasource import ListDataSource
+from lightning_fasync.pipeline.engine_client import SamplingParams
+from lightning_fasync.pipeline.events import read_jsonl
+from lightning_fasync.pipeline.flow import SingleTurnFlow
+from lightning_fasync.testing.instant_engine import InstantEngine
+from tests.helpers.pipeline import Hooks, make_cfg, run_steps
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class SlowSync(Hooks):
+    """A sync that takes 5 s of the fake clock and records the pause mode the runtime would use."""
+
+    def __init__(self, clock, ctl_ref):
+        super().__init__()
+        self.clock, self.ctl_ref, self.modes, self.R_at_sync = clock, ctl_ref, [], []
+
+    def sync_weights(self, version):
+        ctl = self.ctl_ref[0]
+        self.modes.append(ctl.sync_pause_mode)
+        self.R_at_sync.append(ctl.state.R)
+        self.clock.t += 5.0
+        super().sync_weights(version)
+
+
+@pytest.mark.parametrize("kv,mode", [("keep", "in_place"), ("recompute", "retract")])
+def test_an_inflight_boundary_stops_dispatch_only(tmp_path, kv, mode):
+    cfg = make_cfg(**{"rollout.weight_update_mode": "inflight", "rollout.inflight_kv": kv, "trainer.save_freq": 3})
+    clock = Clock()
+    ds = ListDataSource([([1, 2, i % 7], {}) for i in range(400)], seed=1)
+    engine = InstantEngine()
+    flow = SingleTurnFlow(engine, SamplingParams(), cfg.rollout.max_response_length, reward_fn=lambda s, t: 1.0)
+    ctl = FullyAsyncController(cfg, ds, flow, engine, log_dir=str(tmp_path), clock=clock)
+    ref = [ctl]
+    hooks = SlowSync(clock, ref)
+    seen = []
+    orig_cleanup = ctl.state.cleanup_after_pause
+
+    def cleanup():
+        seen.append(ctl.state.rollout_step)
+        orig_cleanup()
+
+    ctl.state.cleanup_after_pause = cleanup
+    ctl.start()
+    try:
+        results = run_steps(ctl, hooks, 4)
+    finally:
+        ctl.shutdown()
+    # Steps 0, 1, 3 keep their requests in flight; step 2 saves (save_freq 3), so it aborts.
+    assert hooks.saved == [2]
+    assert hooks.modes == [mode, mode, "abort", mode]
+    assert seen == [2]  # the one abort boundary drained and cleaned TrajQueue, the others left it
+    for step, m in results:
+        if step == 2:
+            assert m["timing/pause_delay"] != 5.0
+        else:  # the fake clock moved only inside the sync: pause_delay is exactly its time
+            assert m["timing/pause_delay"] == 5.0 == m["timing/update_weights"]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from lightning_fasync.policy import build_policy
+
+    return build_policy("tiny")[0]
+
+
+def _engine_counters(url: str) -> dict:
+    with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
+        states = json.load(r)["internal_states"][0]
+    return states["memory_usage"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_inflight_updates_on_the_embedded_engine(tmp_path, policy):
+    from lightning_fasync.config import load_config, validate
+    from lightning_fasync.fleet.resources import plan_cpu_resources
+    from lightning_fasync.runtime.rollout_runtime import RolloutRuntime
+    from lightning_fasync.algorithms.corrections import mask_offpolicy_tokens
+
+    cfg = validate(load_config({
+        "colocate": False,
+        "fully_async": {"enable": True, "sliding_window": "windowed-fifo", "stale_steps": 1.0, "fetch_timeout": 120,
+                        "pause_timeout": 60},
+        "data_source": {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 4, "task": "repeat",
+                        "num_prompts": 256, "task_args": {"max_len": 48}},
+        "trainer": {"mini_batch_size": 8},
+        "rollout": {"partial": True, "weight_update_mode": "inflight", "max_response_length": 49,
+                    "mask_offpolicy_in_partial_rollout": True},
+    }))
+    runtime = RolloutRuntime(cfg, "tiny", plan_cpu_resources(1), log_dir=str(tmp_path), pin=False)
+    ctl = runtime.controller
+    model = policy
+    gen = torch.Generator().manual_seed(3)
+
+    class Push(Hooks):
+        def sync_weights(self, version):
+            with torch.no_grad():  # a new policy every step
+                for p in model.parameters():
+                    p.add_(0.01 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+            runtime.sync_weights(dict(model.state_dict()), version)
+            self.synced.append(version)
+
+    consumed = []
+    orig_fetch = ctl.fetch
+
+    def fetch(hooks=None):
+        groups = orig_fetch(hooks)
+        consumed.extend(t for g in groups for t in g.trajectories)
+        return groups
+
+    ctl.fetch = fetch
+    try:
+        runtime.sync_weights(dict(model.state_dict()), 0)
+        ctl.start()
+        results = run_steps(ctl, Push(), 6)
+        url = runtime.pool.worker_urls[0]
+        counters = _engine_counters(url)
+    finally:
+        runtime.shutdown()
+    # Nothing aborted, nothing retracted: no request was prefilled twice.
+    assert counters["aborted_requests"] == 0 and counters["retracted_requests"] == 0
+    ledger = read_jsonl(str(tmp_path / "ledger.jsonl"))
+    assert not [r for r in ledger if r["kind"] == "recycle"]
+    spans = [t.version_span for t in consumed]
+    assert max(spans) >= 2, f"no trajectory crossed two swaps: spans {sorted(set(spans))}"
+    assert 1 in spans and 0 in spans
+    for t in consumed:
+        v = t.weight_versions
+        assert len(v) == len(t.response_ids) == len(t.rollout_log_probs)
+        assert v == sorted(v) and (t.start_version, t.end_version) == (v[0], v[-1])
+        mask = mask_offpolicy_tokens(torch.ones(1, len(v)), torch.tensor([v]))[0]
+        assert mask.tolist() == [1.0 if x == v[-1] else 0.0 for x in v]
+    total = len(consumed)
+    partial = sum(1 for s in spans if s)
+    reported = sum(m["rollout/partial_ratio"] * m["rollout/consumed_groups"] * cfg.N for _, m in results)
+    assert reported == pytest.approx(partial)
+    assert max(m["rollout/partial_span_max"] for _, m in results) == max(spans)
+    assert all("rollout/partial_restored_count" not in m for _, m in results)
+    prompts = [r["prompt"] for r in ledger if r["kind"] == "consume"]
+    assert len(prompts) == len(set(prompts)) == 6 * cfg.B == total // cfg.N
