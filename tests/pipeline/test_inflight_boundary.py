@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.request
 
@@ -21,7 +22,7 @@ import torch
 
 from lightning_fasync.pipeline.controller import FullyAsyncController
 from lightning_fasync.pipeline.datasource import ListDataSource
-from lightning_fasync.pipeline.engine_client import SamplingParams
+from lightning_fasync.pipeline.engine_client import EngineClient, SamplingParams
 from lightning_fasync.pipeline.events import read_jsonl
 from lightning_fasync.pipeline.flow import SingleTurnFlow
 from lightning_fasync.testing.instant_engine import InstantEngine
@@ -167,3 +168,77 @@ def test_inflight_updates_on_the_embedded_engine(tmp_path, policy):
     assert all("rollout/partial_restored_count" not in m for _, m in results)
     prompts = [r["prompt"] for r in ledger if r["kind"] == "consume"]
     assert len(prompts) == len(set(prompts)) == 6 * cfg.B == total // cfg.N
+
+
+class TickingEngine(EngineClient):
+    """Token by token, honouring aborts (returns what it has), labelling tokens with its version;
+    records every request's input ids."""
+
+    def __init__(self):
+        self.version, self.aborted, self.live, self.inputs = 0, set(), set(), []
+
+    async def generate(self, request):
+        from lightning_fasync.pipeline.engine_client import GenerateResult
+
+        self.inputs.append(list(request.input_ids))
+        self.live.add(request.rid)
+        out, versions = [], []
+        try:
+            for _ in range(request.sampling_params.max_new_tokens):
+                if request.rid in self.aborted:
+                    return GenerateResult(request.rid, out, [-0.5] * len(out), versions, "abort")
+                await asyncio.sleep(0.002)
+                out.append(4)
+                versions.append(self.version)
+            return GenerateResult(request.rid, out, [-0.5] * len(out), versions, "length")
+        finally:
+            self.live.discard(request.rid)
+            self.aborted.discard(request.rid)
+
+    async def abort(self, rid):
+        self.aborted.update(r for r in self.live if r.startswith(rid))
+
+    async def abort_all(self):
+        await self.abort("")
+
+
+def test_a_checkpoint_keeps_the_trajectories_in_flight_and_a_resumed_run_continues_them(tmp_path):
+    """At a saving boundary of an in-flight run, the requests in flight come back with their tokens
+    (that boundary runs as abort) and the checkpoint holds them: tokens, log-probs, versions. A run
+    restored from it sends them on from prompt + those tokens, not from the prompt."""
+    cfg = make_cfg(**{"rollout.weight_update_mode": "inflight", "trainer.save_freq": 2,
+                      "rollout.max_response_length": 40})
+    engine = TickingEngine()
+    ds = ListDataSource([([1, 2, i % 7], {}) for i in range(400)], seed=1)
+    flow = SingleTurnFlow(engine, SamplingParams(), cfg.rollout.max_response_length, reward_fn=lambda s, t: 1.0)
+    ctl = FullyAsyncController(cfg, ds, flow, engine, log_dir=str(tmp_path))
+    saved = {}
+
+    class Saving(Hooks):
+        def save_checkpoint(self, step):
+            saved["state"] = json.loads(json.dumps(ctl.state_dict()))
+
+    ctl.start()
+    try:
+        run_steps(ctl, Saving(engine), 2)  # step 0 in flight, step 1 saves
+    finally:
+        ctl.shutdown()
+    recycled = saved["state"]["pipeline"]["datasource"]["recycled"]
+    partial = [t for s in recycled for t in (s["resume"] or []) if t["response_ids"]]
+    assert partial, "nothing was in flight at the saving boundary"
+    for t in partial:
+        assert len(t["response_ids"]) == len(t["rollout_log_probs"]) == len(t["weight_versions"]) < 40
+    # A fresh run from the checkpoint: the first requests continue those trajectories.
+    engine2 = TickingEngine()
+    ds2 = ListDataSource([([1, 2, i % 7], {}) for i in range(400)], seed=1)
+    flow2 = SingleTurnFlow(engine2, SamplingParams(), cfg.rollout.max_response_length, reward_fn=lambda s, t: 1.0)
+    ctl2 = FullyAsyncController(cfg, ds2, flow2, engine2, log_dir=str(tmp_path / "resumed"))
+    ctl2.load_state_dict(saved["state"])
+    ctl2.start()
+    try:
+        groups = ctl2.fetch()
+    finally:
+        ctl2.shutdown()
+    continued = {tuple(t["prompt_ids"] + t["response_ids"]) for t in partial if t["status"] != "completed"}
+    assert continued & {tuple(i) for i in engine2.inputs}, "no saved partial trajectory was continued from its tokens"
+    assert groups
