@@ -17,13 +17,15 @@ The engine's counters say nothing was aborted, and what was prefilled: only the 
 from __future__ import annotations
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
 
 from lightning_fasync.engine.engine import Engine
 from lightning_fasync.policy import build_policy
-from tests.helpers.engine import submit, wait_for
+from tests.helpers.engine import submit
 
 NEW_TOKENS = 40
 
@@ -69,8 +71,22 @@ def test_a_frozen_request_continues_under_the_new_weights(models, mode):
     engine = Engine(copy.deepcopy(old), max_running_requests=4)
     try:
         prompt = tok("in flight", add_special_tokens=False)["input_ids"]
-        req, done = submit(engine, "f", prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0)
-        wait_for(lambda: len(req.output_ids) >= 5, what="the first tokens")
+        # The engine thread holds at the 5th token until the pause is on its way, then decodes on
+        # slowly: the pause lands mid-decode however fast the model or however loaded the machine
+        # (a tiny model can decode all 40 tokens between two polls of this thread).
+        reached, pausing = threading.Event(), threading.Event()
+
+        def on_token(r):
+            if len(r.output_ids) == 5:
+                reached.set()
+                pausing.wait(30)
+            elif len(r.output_ids) > 5:
+                time.sleep(0.02)
+
+        req, done = submit(engine, "f", prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0,
+                           on_token=on_token)
+        assert reached.wait(30), "the engine produced no 5th token within 30 s"
+        pausing.set()
         assert engine.pause(mode) == (1 if mode == "retract" else 0)
         k = len(req.output_ids)
         assert 5 <= k < NEW_TOKENS and not done.is_set()
