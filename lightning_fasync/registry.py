@@ -219,7 +219,8 @@ WEIGHT_PATHS: Registry[WeightPath] = Registry(
     {"distributed": "lightning_fasync.weights.group:DISTRIBUTED",
      "tensor": "lightning_fasync.weights.sync:TENSOR",
      "disk": "lightning_fasync.weights.sync:DISK",
-     "vllm": "lightning_fasync.weights.vllm_sync:VLLM"},
+     "vllm": "lightning_fasync.weights.vllm_sync:VLLM",
+     "adapter": "lightning_fasync.weights.lora_sync:ADAPTER"},
     hint=" or auto (docs/weight_sync.md)",
 )
 

@@ -34,7 +34,7 @@ def test_builtins_are_named_by_path_and_imported_on_first_use():
 
 def test_the_built_in_names_in_their_order():
     assert ENGINE_BACKENDS.names() == ["embedded", "sglang", "vllm", "external"]
-    assert weight_sync_choices() == ["auto", "distributed", "tensor", "disk", "vllm"]
+    assert weight_sync_choices() == ["auto", "distributed", "tensor", "disk", "vllm", "adapter"]
     assert WINDOWS.names()[:3] == ["no-window", "window-gated", "windowed-fifo"]
     assert {"fsdp2", "megatron"} <= set(TRAINERS.names())
     assert ENGINE_BACKENDS.get("embedded").supervised and not ENGINE_BACKENDS.get("external").supervised

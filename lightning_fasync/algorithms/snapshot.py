@@ -65,10 +65,12 @@ class OldActorSnapshot:
     snapshot into the module's parameters in place and, on exit (also on an exception), swaps
     the live weights back bit-exactly.
 
-    What is stored: for every parameter of ``module`` exactly the tensor this rank holds
-    (``param.data``; the local shard of a DTensor/FSDP2 parameter; FSDP1's flat local shards),
-    so a sharded trainer snapshots ``1/world_size`` of the model per rank. Tied parameters are
-    stored once. Buffers are not snapshotted (they are not trained).
+    What is stored: for every trainable parameter of ``module`` (``requires_grad``) exactly the
+    tensor this rank holds (``param.data``; the local shard of a DTensor/FSDP2 parameter; FSDP1's
+    flat local shards), so a sharded trainer snapshots ``1/world_size`` of the model per rank. Tied
+    parameters are stored once. Frozen parameters and buffers are not snapshotted: no optimizer step
+    changes them, so the step-start weights of a LoRA policy (a frozen base under peft adapters) are
+    its adapters' A and B alone.
 
     Memory bound: with ``offload_to_cpu=True`` (default) the snapshot lives in CPU memory
     (pinned when CUDA is available, for fast copies) and takes no device memory. A swap goes
@@ -132,7 +134,7 @@ class OldActorSnapshot:
 
     def _params(self) -> list[torch.Tensor]:
         _reshard_fsdp(self.module)
-        return [_local_tensor(p) for p in self.module.parameters()]
+        return [_local_tensor(p) for p in self.module.parameters() if p.requires_grad]
 
     def _allocate(self, tensors: list[torch.Tensor]) -> None:
         def fits(buf: torch.Tensor, t: torch.Tensor) -> bool:

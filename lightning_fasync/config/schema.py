@@ -38,6 +38,8 @@ __all__ = [
     "PROX_LOGP_METHODS",
     "ReferenceConfig",
     "AlgorithmConfig",
+    "LORA_SYNC_MODES",
+    "LoRAConfig",
     "EvalSamplingConfig",
     "EvalConfig",
     "EVAL_SOURCE_NAME",
@@ -234,11 +236,28 @@ class TrainerConfig:
     """Outer (rollout) steps to train; sets Lightning's max_steps to rollout_steps x (B x N) // M."""
     use_rollout_log_probs: bool = False
     """Use the engine's log-probs as the old policy instead of recomputing them on the trainer."""
+    pack_sequences: Optional[bool] = None
+    """Run the trainer's forwards on the call's sequences packed without padding (docs/packing.md):
+    concatenated into rows, positions restarting at 0 per sequence so the model's attention keeps
+    each to itself, the log-probs mapped back to the padded layout the loss reads: the padded
+    forward's loss, metrics and gradients, to float rounding. true: packed (refused for an attention implementation not known to keep
+    packed sequences apart); false: padded; null: packed where the policy's attention allows it
+    (the Hugging Face policy's sdpa, eager, flex and FlashAttention), padded under MegatronStrategy."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Cut each training call into micro-batches of at most this many tokens (prompt + response,
+    first-fit decreasing; a longer sequence is a micro-batch of its own), one forward and backward
+    each: still one optimizer update per call, with the whole call's loss normalisation and
+    metrics. Bounds the trainer's activation memory; null: the whole call in one forward."""
 
     def check(self) -> None:
         """Refuse a ``trainer.*`` value out of range."""
         if self.mini_batch_size <= 0:
             raise ConfigError(f"`trainer.mini_batch_size` is {self.mini_batch_size}; it must be a positive integer.")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ConfigError(
+                f"`trainer.max_tokens_per_micro_batch` is {self.max_tokens_per_micro_batch}; it must be >= 1 tokens "
+                "(null: the whole training call in one forward)."
+            )
         if self.save_freq < 0:
             raise ConfigError(f"`trainer.save_freq` is {self.save_freq}; it must be >= 0 (0 disables periodic saves).")
         if self.save_keep_last is not None and self.save_keep_last < 1:
@@ -580,6 +599,50 @@ MIXED_PRECISION = ("bf16", "fp16")
 """The values of ``model.mixed_precision`` besides null (FSDP2's parameter dtype)."""
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
 """The values of ``algorithm.prox_logp_method``."""
+
+LORA_SYNC_MODES = ("merged", "adapter")
+"""The values of ``model.lora.sync`` (docs/lora.md)."""
+
+
+@dataclass
+class LoRAConfig:
+    """``model.lora.*``: train LoRA adapters (peft's ``LoraConfig``) instead of every weight (docs/lora.md).
+
+    The policy is wrapped with ``peft.get_peft_model``: its weights are frozen and only the
+    adapters' A and B matrices train, sit in the optimizer, the old-actor snapshot and the
+    checkpoints (the base is rebuilt from ``model.model``). null (``model.lora`` unset): full
+    fine-tuning.
+    """
+
+    r: int = 8
+    """The adapters' rank (peft's ``r``); > 0."""
+    alpha: float = 16.0
+    """peft's ``lora_alpha``: the update B·A is scaled by ``alpha / r``; > 0."""
+    dropout: float = 0.0
+    """peft's ``lora_dropout`` on the adapters' input during training; in [0, 1)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """The linear layers that get an adapter, by the last part of their name (peft's
+    ``target_modules``); each must name a linear layer of the policy (refused otherwise, when the
+    policy is built)."""
+    sync: str = "merged"
+    """What the engines get at each weight sync: ``merged`` (base + B·A·alpha/r, in Hugging Face
+    names, over ``rollout.weight_sync`` as for full fine-tuning) or ``adapter`` (only the adapter, in
+    peft's saved format, loaded with ``/load_lora_adapter``; needs ``rollout.weight_sync: adapter``)."""
+
+    def check(self) -> None:
+        """Refuse a value out of range, in one sentence naming the key."""
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
+            raise ConfigError(f"`model.lora.r` is {self.r!r}; the adapters' rank must be an integer > 0.")
+        if not self.alpha > 0:
+            raise ConfigError(f"`model.lora.alpha` is {self.alpha}; it must be > 0 (the update is scaled by alpha / r).")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"`model.lora.dropout` is {self.dropout}; it must be in [0, 1).")
+        if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise ConfigError(f"`model.lora.target_modules` is {self.target_modules!r}; it must list at least one "
+                              "module name (e.g. q_proj, v_proj).")
+        if self.sync not in LORA_SYNC_MODES:
+            raise ConfigError(f"`model.lora.sync` is {self.sync!r}; it must be one of {', '.join(LORA_SYNC_MODES)}.")
 
 
 @dataclass

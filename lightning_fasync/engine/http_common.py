@@ -192,8 +192,11 @@ async def apply_update(request: web.Request, tensors: dict[str, Any], version: O
     engine = request.app[ENGINE_KEY]
     if abort:
         await blocking(engine.abort, "", True)
+    from lightning_fasync.engine.lora import on_weight_update
+
     try:
         async with request.app[STATE_KEY]["weights_lock"]:  # never while /weights_checker reads them
+            on_weight_update(request.app, tensors)  # a loaded LoRA adapter stays merged onto the new weights
             n = await blocking(engine.update_weights, tensors, version)
     except ValueError as exc:
         return web.json_response({"success": False, "message": str(exc), **extra}, status=400)

@@ -29,6 +29,8 @@ from lightning_fasync.engine.http_common import (ENGINE_KEY, ENGINE_WATCH_S, STA
 logger = logging.getLogger("lightning_fasync.engine.server")
 
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+LORA_DIR_ENV = "FASYNC_ENGINE_LORA_DIR"
+"""The one directory the served engine loads LoRA adapters from (``engine/lora.py``); unset: a private one."""
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 
 
@@ -49,7 +51,11 @@ async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResp
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     state = request.app[STATE_KEY]
-    parsed = protocol.parse_generate(await json_body(request), state["tokenizer"], engine.vocab_size)
+    body = await json_body(request)
+    from lightning_fasync.engine.lora import generate_adapter
+
+    generate_adapter(request.app, body)  # SGLang's per-request lora_path: must name the merged adapter
+    parsed = protocol.parse_generate(body, state["tokenizer"], engine.vocab_size)
     run = Submitted(request, parsed.items, streaming=parsed.stream)
     failure = run.submit()
     if failure is None and parsed.stream:
@@ -402,6 +408,10 @@ async def server_info(request: web.Request) -> web.Response:
             "version": SGLANG_API_VERSION,
             "frontend": "python",
             "engine": "lightning-fasync-embedded",
+            # SGLang's LoRA arguments as they apply here, and where adapters load from (ours: engine/lora.py).
+            "enable_lora": state["lora"].enabled,
+            "max_loras_per_batch": 1,
+            "lora_dir": state["lora"].lora_dir,
         }
     )
 
@@ -509,6 +519,8 @@ def build_app(
     require_weight_update_session: bool = True,
     enable_metrics: bool = False,
     startup_time: Optional[dict[str, Any]] = None,
+    enable_lora: bool = True,
+    lora_dir: Optional[str] = None,
 ) -> web.Application:
     """The aiohttp application serving ``engine`` with SGLang's native and OpenAI-compatible routes.
 
@@ -518,8 +530,11 @@ def build_app(
             accepts them as SGLang 0.5.15 does (``lightning_fasync/engine/weight_endpoints.py``).
         enable_metrics: Serve Prometheus metrics at ``/metrics`` (SGLang's ``--enable-metrics``).
         startup_time: ``/server_info``'s ``startup_time`` (:func:`startup_time_info`); zeros if None.
+        enable_lora: Serve ``/load_lora_adapter`` and ``/unload_lora_adapter``; False refuses them, as
+            SGLang does without ``--enable-lora`` (``lightning_fasync/engine/lora.py``).
+        lora_dir: The directory adapters load from (None: a private one made now, removed at exit).
     """
-    from lightning_fasync.engine import metrics, openai_api, weight_endpoints
+    from lightning_fasync.engine import lora, metrics, openai_api, weight_endpoints
 
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=64 * 1024**2)
     app[ENGINE_KEY] = engine
@@ -560,6 +575,7 @@ def build_app(
     if enable_metrics:
         r.add_get("/metrics", prometheus_metrics)
     weight_endpoints.add_routes(app)
+    lora.add_routes(app, enabled=enable_lora, lora_dir=lora_dir)
     openai_api.add_routes(app)
     return app
 
@@ -568,7 +584,9 @@ def build_app(
 
 
 def parse_args(argv: Optional[list[str]] = None) -> Namespace:
-    p = ArgumentParser(prog="lightning-fasync serve", default_env=False, description="Serve one embedded rollout engine replica.")
+    p = ArgumentParser(prog="lightning-fasync serve", default_env=False,
+                       description="Serve one embedded rollout engine replica. LoRA adapters (/load_lora_adapter) load "
+                                   f"only from ${LORA_DIR_ENV} (default: a private directory made at start).")
     p.add_argument("--model", required=True, help="Local Hugging Face model directory or a preset (tiny, qwen3-30m-shape, qwen3-0.6b-shape).")
     p.add_argument("--port", type=int, default=30000, help="Port to listen on (default 30000, as SGLang's).")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
@@ -673,7 +691,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      scheduler_e2e=ready - loading, tokenizer_e2e=ready - started)
     app = build_app(engine, tokenizer, args.model, args.api_key, served_model_name=args.served_model_name,
                     require_weight_update_session=args.require_weight_update_session,
-                    enable_metrics=args.enable_metrics, startup_time=startup_time)
+                    enable_metrics=args.enable_metrics, startup_time=startup_time,
+                    lora_dir=os.environ.get(LORA_DIR_ENV) or None)
     app[STATE_KEY].update(host=args.host, port=args.port)
 
     async def on_startup(app: web.Application) -> None:

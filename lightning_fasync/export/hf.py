@@ -16,6 +16,13 @@ was built from, or ``--model``), built on the meta device for its config, names 
 checkpoint's ``policy.*`` tensors are checked against them before any weight is read.
 
     lightning-fasync export --ckpt_path runs/tiny_cpu/lightning_logs/version_0/checkpoints/last.ckpt --out trained
+
+A checkpoint of a LoRA run (``model.lora``; it holds the adapter and a fingerprint of the base) is
+exported as the merged model (``--lora merged``, the default: base + B·A·scale, a plain Hugging
+Face directory as above) or as the adapter alone (``--lora adapter``: peft's own ``save_pretrained``,
+``adapter_config.json`` + ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained``
+loads onto the base model). Either way the base is rebuilt from the ``model`` hyperparameter (or
+``--model``) with its weights and checked against the checkpoint's fingerprint first.
 """
 
 from __future__ import annotations
@@ -58,8 +65,12 @@ optimizer (``lightning.fabric.utilities.load._METADATA_FILENAME``)."""
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 
 
+LORA_FORMATS = ("merged", "adapter")
+"""``--lora``: what a LoRA run's checkpoint is exported as."""
+
+
 def export_checkpoint(ckpt_path: str, out: str, model: Optional[str] = None, prefix: str = PREFIX,
-                      overwrite: bool = False) -> str:
+                      overwrite: bool = False, lora: str = "merged") -> str:
     """Write the policy of a checkpoint to ``out`` as a Hugging Face directory; returns ``out``.
 
     Args:
@@ -70,19 +81,27 @@ def export_checkpoint(ckpt_path: str, out: str, model: Optional[str] = None, pre
             ``model`` hyperparameter.
         prefix: The policy's prefix in the checkpoint's ``state_dict``.
         overwrite: Write into a non-empty ``out``.
+        lora: For a LoRA run's checkpoint: ``merged`` (a Hugging Face directory) or ``adapter``
+            (peft's format); see the module docstring.
 
     Raises:
         ConfigError: a missing or unreadable checkpoint, no model to rebuild, a non-empty ``out``,
-            or weights whose names or shapes are not the model's (named in the message).
+            or weights whose names or shapes are not the model's (named in the message); ``--lora
+            adapter`` for a checkpoint without an adapter; a base whose fingerprint is not the checkpoint's.
     """
     from lightning_fasync.weights.tensor_stream import TensorStream
 
     if not os.path.exists(ckpt_path):
         raise ConfigError(f"`--ckpt_path` {ckpt_path!r} does not exist: give a checkpoint file or a sharded "
                           "checkpoint directory.")
+    if lora not in LORA_FORMATS:
+        raise ConfigError(f"`--lora` is {lora!r}; it must be one of {', '.join(LORA_FORMATS)}.")
     _check_out(out, overwrite, "--out", "pass --overwrite")
     for backend in TRAINERS.entries():  # a trainer backend with a checkpoint layout of its own exports it
         if backend.is_checkpoint is not None and backend.export is not None and backend.is_checkpoint(ckpt_path):
+            if lora == "adapter":
+                raise ConfigError(f"`--lora` is adapter, but {ckpt_path!r} is a {backend.name} checkpoint, which holds no "
+                                  "LoRA adapter; export it without --lora.")
             return backend.export(ckpt_path, out, model, overwrite)
     sharded = os.path.isdir(ckpt_path)
     if sharded:
@@ -97,6 +116,11 @@ def export_checkpoint(ckpt_path: str, out: str, model: Optional[str] = None, pre
             f"`--ckpt_path` {ckpt_path!r} does not say which policy it trained (no `model` hyperparameter); "
             "pass --model (a preset or a Hugging Face directory)."
         )
+    if not sharded and _LORA_FINGERPRINT in state_dict:
+        return _export_lora(state_dict, hparams, str(name), out, prefix, overwrite, lora, ckpt_path)
+    if lora == "adapter":
+        raise ConfigError(f"`--lora` is adapter, but the checkpoint {ckpt_path!r} holds no LoRA adapter (a full "
+                          "fine-tuning run); export it without --lora.")
     skeleton, tokenizer = policy_skeleton(str(name), "--model")
     expected = _expected(skeleton)
     # A tied tensor's second name (a tied lm_head), which the checkpoint may list too, is not written.
@@ -164,6 +188,59 @@ def save_hf_from_stream(stream: "TensorStream", model: str, out: str, max_shard_
     if problems:
         raise ConfigError(f"The stream's tensors do not fit {model!r}: {problems}.")
     return _write_hf(stream, skeleton, tokenizer, out, max_shard_bytes, overwrite)
+
+
+# ------------------------------------------------------------------------------ LoRA runs
+
+
+_LORA_FINGERPRINT = "lora_base_fingerprint"
+"""``RLPolicyModule``'s state-dict entry of a LoRA run (``LORA_FINGERPRINT_KEY`` there)."""
+
+
+def _export_lora(state_dict: Mapping[str, Any], hparams: Mapping[str, Any], name: str, out: str, prefix: str,
+                 overwrite: bool, lora: str, ckpt_path: str) -> str:
+    """A LoRA run's checkpoint as the merged model or the adapter (module docstring)."""
+    from lightning_fasync.lora import apply_lora, as_lora_config, base_fingerprint, merged_state_dict
+    from lightning_fasync.policy import build_policy
+    from lightning_fasync.weights.tensor_stream import TensorStream
+
+    cfg = as_lora_config(hparams.get("lora"))
+    if cfg is None:
+        raise ConfigError(f"`--ckpt_path` {ckpt_path!r} holds a LoRA adapter but no `lora` hyperparameter to rebuild "
+                          "it with; it was not written by RLPolicyModule.")
+    try:
+        base, tokenizer = build_policy(name)
+    except ValueError as exc:
+        raise ConfigError(f"`--model` {name!r}: {exc}") from None
+    policy = apply_lora(base, cfg)
+    saved = torch.as_tensor(state_dict[_LORA_FINGERPRINT]).to(torch.uint8)
+    if bytes(saved.tolist()).hex() != base_fingerprint(policy):
+        raise ConfigError(f"`--model` {name!r} is not the base the checkpoint's LoRA adapter was trained on (their "
+                          "fingerprints differ); pass the --model it was trained from.")
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    theirs = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if set(theirs) != trainable:
+        diff = sorted(set(theirs) ^ trainable)
+        raise ConfigError(f"The checkpoint's `{prefix}*` adapter does not fit {name!r} with model.lora {hparams['lora']}: "
+                          f"first difference {diff[0]!r}.")
+    policy.load_state_dict(theirs, strict=False)
+    policy.eval()
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    if lora == "adapter":
+        tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.{uuid.uuid4().hex[:12]}.partial")
+        try:
+            policy.save_pretrained(tmp, safe_serialization=True)  # peft's format, which PeftModel.from_pretrained loads
+            tokenizer.save_pretrained(tmp)
+            _publish(tmp, out, overwrite)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+    skeleton, tokenizer = policy_skeleton(name, "--model")
+    merged = merged_state_dict(policy)
+    tensors = {k: merged[k] for k in _expected(skeleton)}
+    return _write_hf(TensorStream.from_mapping(tensors), skeleton, tokenizer, out, MAX_SHARD_BYTES, overwrite)
 
 
 # ------------------------------------------------------------------------------ reading checkpoints
@@ -347,8 +424,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--model", default=None, help="the policy it trained (default: the checkpoint's `model`)")
     parser.add_argument("--prefix", default=PREFIX, help=f"the policy's prefix in the state_dict (default {PREFIX!r})")
     parser.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    parser.add_argument("--lora", choices=LORA_FORMATS, default="merged",
+                        help="a LoRA run's checkpoint: write the merged model (default) or the adapter alone in peft's "
+                             "format (PeftModel.from_pretrained loads it onto the base model)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    out = export_checkpoint(args.ckpt_path, args.out, model=args.model, prefix=args.prefix, overwrite=args.overwrite)
+    out = export_checkpoint(args.ckpt_path, args.out, model=args.model, prefix=args.prefix, overwrite=args.overwrite,
+                            lora=args.lora)
+    if args.lora == "adapter" and os.path.isfile(os.path.join(out, "adapter_config.json")):
+        print(f"Wrote {out}: peft.PeftModel.from_pretrained(base_model, {out!r}) loads the adapter onto the base model.")
+        return 0
     print(f"Wrote {out}: transformers.AutoModelForCausalLM.from_pretrained({out!r}) loads it, "
           f"and `lightning-fasync serve --model {out}` serves it.")
     return 0

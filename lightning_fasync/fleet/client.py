@@ -159,6 +159,8 @@ class SGLangClient(EngineClient):
             leaves the set is abandoned), and a ``/generate`` whose replica or router went away is
             sent again once one serves, within ``rollout.engine_restart.timeout_s``. Without it,
             ``worker_urls`` is fixed and such a request fails.
+        lora_name: The LoRA adapter every ``/generate`` names (SGLang's ``lora_path`` field, the
+            name given to ``/load_lora_adapter``); None: none named.
     """
 
     def __init__(
@@ -172,6 +174,7 @@ class SGLangClient(EngineClient):
         generate_timeout_s: float = 3600.0,
         admin_timeout_s: float = 300.0,
         workers: Optional[WorkerSet] = None,
+        lora_name: Optional[str] = None,
     ) -> None:
         if not worker_urls:
             raise ValueError("SGLangClient needs at least one worker URL.")
@@ -187,6 +190,7 @@ class SGLangClient(EngineClient):
         self._session: Optional[aiohttp.ClientSession] = None
         self._has_update_bracket: Optional[bool] = None  # probed once: SGLang >= 0.5.23 has it
         self.protocols: Optional[list[ServerProtocol]] = None  # per worker, from detect_protocol()
+        self.lora_name = lora_name
 
     @property
     def worker_urls(self) -> list[str]:
@@ -330,6 +334,8 @@ class SGLangClient(EngineClient):
             "sampling_params": request.sampling_params.to_dict(),
             "return_logprob": True,
         }
+        if self.lora_name is not None:
+            body["lora_path"] = self.lora_name
         data = await self._generate(request, body)
         if data is None:
             return GenerateResult(rid=request.rid, output_ids=[], output_log_probs=[], weight_versions=[],
@@ -443,6 +449,60 @@ class SGLangClient(EngineClient):
 
         sync = TensorWeightSync(self, bucket_bytes=bucket_bytes, timeout_s=self.admin_timeout_s, pause_mode=None)
         await sync.push(named_tensors, weight_version)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
+        """SGLang's ``/load_lora_adapter`` on every worker: load the adapter directory ``lora_path``
+        (peft's saved format) under ``lora_name``.
+
+        Raises:
+            EngineError: a worker refused (its ``error_message``).
+        """
+        body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        self._check_lora(await self._lora_call("/load_lora_adapter", body), "load_lora_adapter")
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """SGLang's ``/unload_lora_adapter`` on every worker.
+
+        Raises:
+            EngineError: a worker refused (the adapter is not loaded there, say).
+        """
+        self._check_lora(await self._lora_call("/unload_lora_adapter", {"lora_name": lora_name}), "unload_lora_adapter")
+
+    async def _lora_call(self, path: str, body: dict[str, Any]) -> list[Any]:
+        async def one(url: str) -> Any:
+            try:
+                return await self._request("POST", url + path, body)
+            except EngineError as exc:  # SGLang answers a refused load or unload with 400 and its body
+                if exc.status == 400:
+                    return {"success": False, "error_message": str(exc)}
+                raise
+
+        results = await asyncio.gather(*(self._on_worker(u, one(u)) for u in self.worker_urls))
+        return [r for r in results if r is not SKIPPED]
+
+    @staticmethod
+    def _check_lora(results: list[Any], what: str) -> None:
+        for r in results:
+            if not (isinstance(r, dict) and r.get("success") is True):
+                message = r.get("error_message") if isinstance(r, dict) else r
+                raise EngineError(f"{what} failed: {str(message)[:500]}")
+
+    async def update_lora_adapter(self, adapter: Mapping[str, Any], weight_version: Optional[int] = None) -> None:
+        """Replace the trainer's adapter on every worker (``rollout.weight_sync: adapter``'s client
+        method): ``adapter`` is an :class:`~lightning_fasync.lora.AdapterWeights`, written into each
+        worker's LoRA directory and loaded there (:class:`~lightning_fasync.weights.lora_sync.AdapterWeightSync`;
+        no pause: a trainer's sync goes through the weight sync, which pauses).
+
+        Raises:
+            WeightSyncError: an ``EngineError`` naming the engine that failed.
+        """
+        from lightning_fasync.weights.lora_sync import AdapterWeightSync
+
+        sync = AdapterWeightSync(self, timeout_s=self.admin_timeout_s, pause_mode=None)
+        try:
+            await sync.push(adapter, weight_version)
+        finally:
+            await sync.rpc.close()
 
     async def update_weight_version(self, weight_version: int) -> None:
         """Relabel the current weights on every worker."""

@@ -44,7 +44,7 @@ from lightning_fasync.runtime.follower import DriverHooks, Follower
 from lightning_fasync.runtime.checkpoints import CheckpointFiles, check_hparams, check_resume, find_last, run_identity, save_hf
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
 from lightning_fasync.runtime.preemption import Preemption
-from lightning_fasync.runtime.ranks import check_minibatch_share, data_parallel, dp_share, reduce_metrics
+from lightning_fasync.runtime.ranks import check_minibatch_share, data_parallel, dp_share, group_tokens, reduce_metrics
 from lightning_fasync.fleet.resources import pin_trainer, plan_cpu_resources, trainer_share
 from lightning_fasync.runtime.rollout_runtime import RolloutRuntime
 from lightning_fasync.pipeline.controller import FullyAsyncController, StepSchedule
@@ -301,8 +301,8 @@ class FullyAsyncCallback(DriverHooks, ModelCheckpoint):
             self._follower.replay("batch")
         if self._world > 1:
             # Rank 0 fetched on its main thread; every data-parallel rank trains on its share of
-            # the mini-batch (tensor-parallel peers on the same share).
-            groups = dp_share(self._broadcast(trainer, groups), self._dp_rank, self._dp_size)
+            # the mini-batch, balanced by tokens (tensor-parallel peers on the same share).
+            groups = dp_share(self._broadcast(trainer, groups), self._dp_rank, self._dp_size, tokens=group_tokens)
         batch.groups = groups
         batch.rollout_step = self._step
         batch.call_index, batch.calls_per_step = self.schedule.calls, self.schedule.calls_per_step

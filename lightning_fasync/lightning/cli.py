@@ -46,6 +46,8 @@ class FasyncCLI(LightningCLI):
         parser.link_arguments("trainer.use_rollout_log_probs", "model.use_rollout_log_probs")
         parser.link_arguments("rollout.mask_offpolicy_in_partial_rollout", "model.mask_offpolicy_in_partial_rollout")
         parser.link_arguments("rollout.temperature", "model.rollout_temperature")
+        parser.link_arguments("trainer.pack_sequences", "model.pack_sequences")
+        parser.link_arguments("trainer.max_tokens_per_micro_batch", "model.max_tokens_per_micro_batch")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         given = kwargs.get("args")

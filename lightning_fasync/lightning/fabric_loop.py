@@ -21,12 +21,13 @@ the callbacks the controller calls (``prepare``, ``train``, ``save_checkpoint``,
 and around each step, rank 0 broadcasts what the other ranks do next; they do exactly that, in
 that order, so every collective matches by construction:
 
-- ``batch``: the call's groups. Every data-parallel rank trains on its share
-  (``groups[dp_rank::dp_size]``; tensor-parallel peers on the same share) with ``fabric.backward``
-  and the optimizer step, and the call's metrics are all-reduced over the data-parallel group by the
-  spec's naming rule (:mod:`~lightning_fasync.runtime.ranks`). At the step's last call the ranks
-  also agree whether any of them got SIGTERM or SIGINT, so a signal to any rank makes that
-  boundary save and end the run.
+- ``batch``: the call's groups. Every data-parallel rank trains on its share (the same number of
+  groups each, balanced by tokens: ``dp_share(..., tokens=group_tokens)``; tensor-parallel peers on
+  the same share) with ``fabric.backward`` and the optimizer step, and the call's metrics are
+  all-reduced over the data-parallel group by the spec's naming rule
+  (:mod:`~lightning_fasync.runtime.ranks`). At the step's last call the ranks also agree whether
+  any of them got SIGTERM or SIGINT, so a signal to any rank makes that boundary save and end the
+  run.
 - ``save``: rank 0's boundary saves. The message carries the pipeline state, so every rank gives
   ``fabric.save`` the same state (each writes its part of a distributed checkpoint).
 - ``sync``: every rank calls ``engine_state_dict()``; a sharded module's stream
@@ -61,7 +62,7 @@ from lightning_fasync.runtime.follower import DriverHooks, Follower
 from lightning_fasync.runtime.checkpoints import CheckpointFiles, check_resume, run_identity, save_hf
 from lightning_fasync.lightning.hooks import FullyAsyncHooks, require_hooks
 from lightning_fasync.runtime.preemption import Preempted, Preemption
-from lightning_fasync.runtime.ranks import check_minibatch_share, data_parallel, dp_share, reduce_metrics
+from lightning_fasync.runtime.ranks import check_minibatch_share, data_parallel, dp_share, group_tokens, reduce_metrics
 from lightning_fasync.fleet.resources import pin_trainer, plan_cpu_resources, trainer_share
 from lightning_fasync.runtime.rollout_runtime import RolloutRuntime
 from lightning_fasync.pipeline.datasource import DataSource
@@ -313,7 +314,7 @@ class FullyAsyncFabricLoop(DriverHooks):
 
     def _prepare(self, groups: list[TrajectoryGroup], step: int, call: int, calls: int) -> RolloutBatch:
         """This rank's share of a training call's groups, as the batch ``training_step`` gets."""
-        groups = dp_share(groups, self._dp_rank, self._dp_size)
+        groups = dp_share(groups, self._dp_rank, self._dp_size, tokens=group_tokens)
         self.fabric.call("on_rollout_batch_start", loop=self, groups=groups)
         return RolloutBatch(groups=groups, rollout_step=step, data=self._hooks.prepare_rollout_batch(groups),
                             call_index=call, calls_per_step=calls)

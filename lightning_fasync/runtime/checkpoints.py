@@ -268,10 +268,22 @@ def save_hf(weights: Any, model: Optional[str], out: str, is_writer: bool) -> No
 
     Every rank calls this with what ``engine_state_dict()`` gave it: a stream (a sharded module)
     is gathered by every rank, and only ``is_writer`` (global rank 0) keeps and writes the
-    tensors, shard by shard; the others drain it. A mapping is written as it is.
+    tensors, shard by shard; the others drain it. A mapping is written as it is; a LoRA adapter
+    (:class:`~lightning_fasync.lora.AdapterWeights`, ``model.lora.sync: adapter``) is written in
+    peft's format (``adapter_config.json`` + ``adapter_model.safetensors``).
     """
+    from lightning_fasync.lora import AdapterWeights, write_adapter_dir
     from lightning_fasync.weights.tensor_stream import TensorStream
 
+    if isinstance(weights, AdapterWeights):
+        if is_writer:
+            if os.path.isdir(out):  # this step's, from a run that stopped after writing it
+                shutil.rmtree(out)
+            tmp = f"{out}.partial"
+            shutil.rmtree(tmp, ignore_errors=True)
+            write_adapter_dir(dict(weights), weights.config, tmp)
+            os.replace(tmp, out)
+        return
     stream = weights if isinstance(weights, TensorStream) else None
     try:
         if is_writer:

@@ -5,17 +5,20 @@ each training call's M // N groups on its main thread and hands them to every ra
 data-parallel rank trains on its share (:func:`dp_share`; tensor-parallel peers share a
 data-parallel rank and train the same groups), and the call's metrics are reduced over the
 data-parallel group by the spec's naming rule (:func:`reduce_metrics`). Main thread only: these
-are collectives.
+are collectives. The drivers share a call's groups by tokens (:func:`group_tokens`), so that no
+rank waits on another that got the long responses.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 from lightning_fasync.config import ConfigError, FasyncConfig
 from lightning_fasync.pipeline.metrics import aggregation_rule
+from lightning_fasync.runtime.packing import balanced_equal_count
+from lightning_fasync.types import TrajectoryGroup
 
-__all__ = ["check_minibatch_share", "data_parallel", "dp_share", "reduce_metrics"]
+__all__ = ["check_minibatch_share", "data_parallel", "dp_share", "group_tokens", "reduce_metrics"]
 
 T = TypeVar("T")
 
@@ -46,10 +49,27 @@ def check_minibatch_share(cfg: FasyncConfig, dp_size: int) -> None:
         )
 
 
-def dp_share(groups: Sequence[T], dp_rank: int, dp_size: int) -> list[T]:
-    """The groups data-parallel rank ``dp_rank`` of ``dp_size`` trains on (a strided share, so each
-    rank sees the same mix of early and late groups)."""
-    return list(groups[dp_rank::dp_size])
+def group_tokens(group: TrajectoryGroup) -> int:
+    """The tokens a group trains on: prompt + response of each of its trajectories."""
+    return sum(len(t.prompt_ids) + len(t.response_ids) for t in group.trajectories)
+
+
+def dp_share(groups: Sequence[T], dp_rank: int, dp_size: int, tokens: Optional[Callable[[T], int]] = None) -> list[T]:
+    """The groups data-parallel rank ``dp_rank`` of ``dp_size`` trains on.
+
+    Without ``tokens``, a strided share (each rank sees the same mix of early and late groups).
+    With ``tokens`` (a group's token count, e.g. :func:`group_tokens`), every rank still gets
+    ``len(groups) // dp_size`` whole groups (a group's trajectories stay together: its advantages
+    need them), but chosen so the ranks' token counts are balanced (the longest group first, each
+    to the rank with the fewest tokens so far that has room), in call order. Every rank computes
+    the same split from the same groups, so the shares are disjoint and cover the call: every
+    prompt is trained exactly once."""
+    if tokens is None or dp_size <= 1:
+        return list(groups[dp_rank::dp_size])
+    if len(groups) % dp_size:
+        raise ValueError(f"{len(groups)} groups cannot be shared evenly by {dp_size} data-parallel ranks.")
+    share = balanced_equal_count([tokens(g) for g in groups], dp_size)[dp_rank]
+    return [groups[i] for i in share]
 
 
 def reduce_metrics(

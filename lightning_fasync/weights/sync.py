@@ -730,10 +730,12 @@ DISK = WeightPath(name="disk", make=DiskWeightSync, client_method="update_weight
 
 async def push_kept(kept: KeptWeights, client: Any, timeout_s: float = 120.0) -> None:
     """Load ``kept`` into the engines of ``client`` (a restarted replica, not serving yet) with the
-    same code as a push: its buckets over the ``tensor`` path (it runs on this host), or its directory."""
-    sync = make_weight_sync("disk" if kept.kind == "disk" else "tensor", client, timeout_s=timeout_s, pause_mode=None)
+    same code as a push: its buckets over the ``tensor`` path (it runs on this host), or its directory
+    over its own path (``disk``; ``adapter``, a LoRA adapter's directory)."""
+    sync = make_weight_sync(kept.kind if kept.path is not None else "tensor", client, timeout_s=timeout_s,
+                            pause_mode=None)
     try:
-        staged = kept.buckets if kept.kind != "disk" else kept.path
+        staged = kept.path if kept.path is not None else kept.buckets
         await sync._deliver(staged, kept.version, f"weight version {kept.version}")
     finally:
         await sync.rpc.close()  # the caller's client stays the caller's

@@ -91,8 +91,7 @@ BAD_GENERATE = [
     ({"input_ids": [5], "sampling_params": {"logit_bias": {"5": "up"}}}, "`sampling_params.logit_bias[5]` must be a number"),
     ({"input_ids": [5], "sampling_params": {"logit_bias": {"100000": 1}}}, "logit_bias must has keys in [0, 98]"),
     ({"input_ids": [5], "sampling_params": {"ebnf": "root ::= 'a'"}}, "support constrained decoding"),
-    ({"input_ids": [5], "lora_path": "adapter"}, "`lora_path`='adapter' is not supported: the embedded engine does not "
-     "support LoRA adapters (only null is accepted)."),
+    ({"input_ids": [5], "lora_path": "adapter"}, "LoRA adapter 'adapter' is not loaded; loaded adapters: []."),
     ({"input_ids": [5], "image_data": "a.png"}, "does not support multimodal inputs"),
     ({"input_ids": [5], "return_hidden_states": True}, "`return_hidden_states`=True is not supported"),
     ({"input_ids": [5], "routed_dp_rank": 1}, "`routed_dp_rank`=1 does not exist"),

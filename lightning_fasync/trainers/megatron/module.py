@@ -123,8 +123,12 @@ class MegatronPolicyModule(RLPolicyModule):
     ``mixed_precision`` (``bf16``/``fp16``) makes megatron-core compute and keep the model in that
     dtype with float32 main weights in the optimizer; ``activation_checkpointing`` recomputes every
     layer (``recompute_granularity: full``). Weight decay follows megatron-core: not on biases and
-    norms. ``algorithm.reference`` (a KL reference or teacher) is not supported yet.
+    norms. ``algorithm.reference`` (a KL reference or teacher) is not supported yet, nor are
+    ``trainer.pack_sequences: true`` and ``trainer.max_tokens_per_micro_batch`` (the schedule runs
+    equal padded micro-batches; ``trainer.pack_sequences: null`` trains padded here).
     """
+
+    packs_sequences = False
 
     def __init__(
         self,
@@ -144,7 +148,19 @@ class MegatronPolicyModule(RLPolicyModule):
         use_rollout_log_probs: bool = False,
         mask_offpolicy_in_partial_rollout: bool = False,
         rollout_temperature: float = 1.0,
+        pack_sequences: Optional[bool] = None,
+        max_tokens_per_micro_batch: Optional[int] = None,
     ) -> None:
+        if pack_sequences:
+            raise ConfigError(
+                "`trainer.pack_sequences` is true under MegatronStrategy, whose pipeline schedule takes equal padded "
+                "micro-batches; set it to null or false (null trains padded here)."
+            )
+        if max_tokens_per_micro_batch is not None:
+            raise ConfigError(
+                f"`trainer.max_tokens_per_micro_batch` is {max_tokens_per_micro_batch} under MegatronStrategy, whose "
+                "pipeline schedule cuts a call by sequences; leave it null and set `model.micro_batch_size`."
+            )
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ConfigError(f"`model.micro_batch_size` is {micro_batch_size}; it must be >= 1 or null.")
         if grad_clip < 0:
@@ -159,7 +175,7 @@ class MegatronPolicyModule(RLPolicyModule):
             lr_schedule=lr_schedule, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
             activation_checkpointing=activation_checkpointing, mixed_precision=mixed_precision, algorithm=algorithm,
             use_rollout_log_probs=use_rollout_log_probs, mask_offpolicy_in_partial_rollout=mask_offpolicy_in_partial_rollout,
-            rollout_temperature=rollout_temperature,
+            rollout_temperature=rollout_temperature, pack_sequences=pack_sequences,
         )
         self.automatic_optimization = False
 

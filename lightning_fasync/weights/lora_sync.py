@@ -1,0 +1,193 @@
+"""``rollout.weight_sync: adapter``: only the LoRA adapter goes to the engines (docs/lora.md).
+
+With ``model.lora.sync: adapter`` the module's ``engine_state_dict()`` is an
+:class:`~lightning_fasync.lora.AdapterWeights` (the adapter's A and B tensors in peft's saved
+naming, and its ``adapter_config.json``). A push writes it in peft's saved format
+(``adapter_config.json`` + ``adapter_model.safetensors``, the directory SGLang, vLLM and
+``peft.PeftModel.from_pretrained`` load) into each engine's LoRA directory (``lora_dir`` of its
+``/server_info``: the embedded engine loads adapters from there only; elsewhere the run's weights
+directory), then, per engine, with SGLang 0.5.23's API: ``/unload_lora_adapter`` of the previous
+adapter (one that was not loaded, as after a restart, is no error), ``/load_lora_adapter`` under the
+same name, ``/update_weight_version`` with the step's version. Pause, flush and continue are every
+path's (:class:`~lightning_fasync.weights.sync.WeightSync`); there is no begin/end bracket (SGLang's
+adapter loads are self-contained). The directories are removed once every engine has loaded them.
+
+For a replica that restarts (a supervised pool), the push is kept as :class:`AdapterKept`: a copy of
+the adapter directory and references to the trainer's frozen base weights, whose ``named_tensors()``
+are what the replica holds once it has loaded the adapter onto its base (the engine's own merge,
+:func:`~lightning_fasync.lora.merged_weights`), for the pool's checksum check.
+
+The embedded engine merges the loaded adapter into the weights it serves to every request
+(``lightning_fasync/engine/lora.py``); SGLang and vLLM apply an adapter only to requests that name
+it, which the rollout requests do not, so this path runs with ``rollout.backend: embedded`` only
+(refused otherwise, :func:`check_adapter_config`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+
+from lightning_fasync.config import ConfigError
+from lightning_fasync.lora import AdapterWeights, merged_weights, read_adapter_dir, write_adapter_dir
+from lightning_fasync.registry import WeightPath
+from lightning_fasync.pipeline.engine_client import SKIPPED
+from lightning_fasync.weights.sync import KeptWeights, WeightSync, WeightSyncError
+
+__all__ = ["ADAPTER", "DEFAULT_LORA_NAME", "AdapterKept", "AdapterWeightSync", "check_adapter_config"]
+
+DEFAULT_LORA_NAME = "policy"
+"""The name the trainer's adapter is loaded under on every engine."""
+
+
+@dataclass
+class AdapterKept(KeptWeights):
+    """The last adapter push, kept for a replica that restarts: ``path`` is a copy of its adapter
+    directory, ``base`` the frozen base weights (the trainer's own tensors, not copies: a LoRA run
+    never changes them)."""
+
+    base: Optional[Mapping[str, torch.Tensor]] = None
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """What a replica started from the base model holds after loading the adapter (Hugging Face names)."""
+        if self.base is None or self.path is None:
+            raise RuntimeError("This kept adapter has no base weights or no directory (released?).")
+        config, tensors = read_adapter_dir(self.path)
+        return merged_weights(self.base, config, tensors)
+
+
+class AdapterWeightSync(WeightSync):
+    """``adapter``: the LoRA adapter in peft's saved format, loaded with ``/load_lora_adapter`` (module docstring).
+
+    Arguments:
+        lora_name: the name the adapter is loaded under.
+    """
+
+    kind = "adapter"
+    bracketed = False  # SGLang's adapter loads are self-contained (no begin/end bracket)
+
+    def __init__(self, *args: Any, lora_name: str = DEFAULT_LORA_NAME, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lora_name = lora_name
+
+    async def _stage(self, named_tensors: Any, version: int) -> Any:
+        if not isinstance(named_tensors, AdapterWeights):
+            raise ValueError(
+                "rollout.weight_sync: adapter sends a LoRA adapter, but the trainer gave full weights; build the module "
+                "with model.lora.sync: adapter (its engine_state_dict() is then an AdapterWeights)."
+            )
+        return named_tensors
+
+    async def _send(self, staged: Any, version: Optional[int], where: str) -> None:
+        if isinstance(staged, str):  # a kept push, delivered to a restarted replica
+            config, tensors = await asyncio.get_running_loop().run_in_executor(None, read_adapter_dir, staged)
+            staged = AdapterWeights(tensors, config)
+        urls = list(self.client.worker_urls)
+        roots = await self._roots(urls)
+        written: dict[str, str] = {}
+        loop = asyncio.get_running_loop()
+        try:
+            for root in sorted(set(roots.values())):
+                os.makedirs(root, exist_ok=True)
+                directory = tempfile.mkdtemp(prefix=f"adapter-v{version}-", dir=root)
+                written[root] = directory
+                await loop.run_in_executor(None, write_adapter_dir, dict(staged), staged.config, directory)
+            await asyncio.gather(*(self._swap(url, written[roots[url]], version, where) for url in urls))
+        finally:
+            for directory in written.values():  # every engine has read it (or failed)
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def _keep(self, staged: Any, version: int) -> Optional[KeptWeights]:
+        if not self.keep:
+            return None
+        root = self.work_dir or tempfile.gettempdir()
+        os.makedirs(root, exist_ok=True)
+        directory = write_adapter_dir(dict(staged), staged.config, tempfile.mkdtemp(prefix=f"kept-adapter-v{version}-",
+                                                                                     dir=root))
+        return AdapterKept("adapter", version, path=directory, base=staged.base)
+
+    async def _roots(self, urls: list[str]) -> dict[str, str]:
+        """Each engine's directory to write the adapter into: its ``lora_dir`` (``/server_info``), else
+        the run's weights directory (``work_dir``) or the system's temp dir."""
+        fallback = os.path.join(self.work_dir or tempfile.gettempdir(), "adapters")
+
+        async def one(url: str) -> tuple[str, str]:
+            try:
+                info = await self.client._request("GET", url + "/server_info", missing_ok=True)
+            except Exception:  # noqa: BLE001 - an engine that does not say: the fallback
+                info = None
+            root = info.get("lora_dir") if isinstance(info, dict) else None
+            return url, root if isinstance(root, str) and root else fallback
+
+        return dict(await asyncio.gather(*(one(u) for u in urls)))
+
+    async def _post(self, url: str, path: str, body: dict[str, Any], where: str) -> tuple[int, Any]:
+        """One POST to ``url + path``: its status and parsed JSON answer (a 400 is an answer, not an error)."""
+        import aiohttp
+
+        session = await self.rpc._http()
+        try:
+            async with session.post(url + path, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
+                text = await r.text()
+                try:
+                    return r.status, json.loads(text) if text else None
+                except ValueError:
+                    return r.status, text
+        except asyncio.TimeoutError:
+            raise WeightSyncError(f"The weight sync of {where} failed on {url} ({path}): no answer within "
+                                  f"{self.timeout_s:g} s (`{self.timeout_key}`).") from None
+        except aiohttp.ClientError as exc:
+            raise WeightSyncError(f"The weight sync of {where} failed on {url} ({path}): {exc!r}") from exc
+
+    async def _swap(self, url: str, directory: str, version: Optional[int], where: str) -> Any:
+        """Unload the previous adapter on ``url``, load ``directory`` under the same name, set the version."""
+        name = self.lora_name
+
+        async def swap() -> None:
+            status, answer = await self._post(url, "/unload_lora_adapter", {"lora_name": name}, where)
+            loaded = answer.get("loaded_adapters") if isinstance(answer, dict) else None
+            if status != 200 and (not isinstance(answer, dict) or name in (loaded or {})):
+                raise WeightSyncError(f"The weight sync of {where} failed on {url} (/unload_lora_adapter): "
+                                      f"{status} {str(answer)[:500]}")
+            status, answer = await self._post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": directory},
+                                              where)
+            if status != 200 or not (isinstance(answer, dict) and answer.get("success") is True):
+                raise WeightSyncError(f"The weight sync of {where} failed on {url} (/load_lora_adapter): "
+                                      f"{status} {str(answer)[:500]}")
+            if version is not None:
+                status, answer = await self._post(url, "/update_weight_version",
+                                                  {"new_version": str(version), "abort_all_requests": False}, where)
+                if status != 200:
+                    raise WeightSyncError(f"The weight sync of {where} failed on {url} (/update_weight_version): "
+                                          f"{status} {str(answer)[:500]}")
+
+        result = await self.client._on_worker(url, swap())
+        return None if result is SKIPPED else result
+
+
+def check_adapter_config(cfg: Any) -> None:
+    """Refuse what the adapter path cannot run (part of ``config.validate``)."""
+    backend = getattr(cfg.rollout, "backend", "embedded")
+    if backend != "embedded":
+        raise ConfigError(
+            f"`rollout.weight_sync` is adapter while `rollout.backend` is {backend}; only the embedded engine serves "
+            "every request with the loaded adapter (SGLang and vLLM apply it only to requests that name it, which the "
+            "rollout requests do not yet): use model.lora.sync: merged there."
+        )
+    if getattr(cfg, "colocate_offload", False) is True:
+        raise ConfigError(
+            "`colocate_offload` is true while `rollout.weight_sync` is adapter; engines that released their weights "
+            "hold no base to load an adapter onto: use model.lora.sync: merged with colocate_offload."
+        )
+
+
+ADAPTER = WeightPath(name="adapter", make=AdapterWeightSync, client_method="update_lora_adapter",
+                     check_config=check_adapter_config)
+"""``rollout.weight_sync: adapter``: the LoRA adapter alone, loaded with ``/load_lora_adapter``."""
