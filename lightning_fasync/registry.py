@@ -113,7 +113,8 @@ WINDOWS: Registry[Callable[[], Any]] = Registry(
     "fully_async.sliding_window", "sliding-window strategy",
     {"no-window": "lightning_fasync.pipeline.window:NoWindow",
      "window-gated": "lightning_fasync.pipeline.window:WindowGated",
-     "windowed-fifo": "lightning_fasync.pipeline.window:WindowedFifo"},
+     "windowed-fifo": "lightning_fasync.pipeline.window:WindowedFifo",
+     "staleness-bounded": "lightning_fasync.pipeline.window:StalenessBounded"},
     hint=" or register yours (see docs/custom_window.md)",
 )
 

@@ -419,6 +419,17 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     top_k: int = -1
     """Top-k sampling; -1 disables it."""
+    sampling_seed: Optional[int] = None
+    """Seed every rollout request (SGLang's ``sampling_seed``, vLLM's ``seed``): each request's seed is
+    derived from this one, its prompt id, its trajectory's index in the group and the tokens the
+    trajectory already has, so what a trajectory samples does not depend on which requests the
+    engine batched it with or in which order they arrived. null: the engines' own random state."""
+    deterministic_inference: bool = False
+    """Start the engines with SGLang's ``--enable-deterministic-inference`` (the embedded engine and
+    ``sglang`` backends): a request's tokens and log-probs do not depend on the requests batched
+    with it. With ``rollout.sampling_seed`` a trajectory is then a function of its prompt and the
+    weights. Slower (the embedded engine runs each request on its own). Servers of ``external`` and
+    ``vllm`` are not started with it (start your own with the flag); refused there."""
     stop_token_ids: Optional[list[int]] = None
     """Token ids that end a response; None: the task's EOS when ``data_source.task`` makes the
     prompts, else the policy's own (its tokenizer's EOS and end-of-turn token, its
@@ -489,6 +500,14 @@ class RolloutConfig:
                 f"`rollout.inflight_kv` is {self.inflight_kv} while `rollout.weight_update_mode` is {mode or 'null'}; "
                 "it applies to in-flight updates only: set weight_update_mode: inflight or leave it at keep."
             )
+        if self.deterministic_inference and self.backend not in ("embedded", "sglang"):
+            raise ConfigError(
+                f"`rollout.deterministic_inference` is true while `rollout.backend` is {self.backend}; it starts the "
+                "plugin's own embedded or sglang servers with --enable-deterministic-inference, so start your servers "
+                "deterministic yourself and leave it false."
+            )
+        if self.sampling_seed is not None and not 0 <= self.sampling_seed < 2**63:
+            raise ConfigError(f"`rollout.sampling_seed` is {self.sampling_seed}; it must be a non-negative integer or null.")
         if self.mask_offpolicy_in_partial_rollout and not self.partial:
             raise ConfigError(
                 "`rollout.mask_offpolicy_in_partial_rollout` is true while `rollout.partial` is false; "

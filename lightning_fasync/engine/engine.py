@@ -174,6 +174,7 @@ class Engine:
         page_size: Optional[int] = None,
         max_total_tokens: Optional[int] = None,
         mem_fraction_static: Optional[float] = None,
+        deterministic: bool = False,
     ) -> None:
         self.max_running_requests = max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self.context_length = context_length or min(
@@ -182,6 +183,11 @@ class Engine:
         self.runner = ModelRunner(model, self.max_running_requests, self.context_length, page_size=page_size,
                                   max_total_tokens=max_total_tokens, mem_fraction_static=mem_fraction_static)
         self.model = model
+        # SGLang's --enable-deterministic-inference: a request's log-probs and tokens do not depend on
+        # the requests batched with it. Here by running each request's prefill, decode and sampling
+        # on its own, through one attention path (the paged one) whatever its slot.
+        self.deterministic = deterministic
+        self.runner.paged_only = deterministic
         self.vocab_size = model.config.vocab_size
         self.weight_version = str(weight_version)
         self.eos_token_ids = set(eos_token_ids if eos_token_ids is not None else _model_eos_ids(model))
@@ -634,11 +640,15 @@ class Engine:
         prompts = [r.input_ids + r.output_ids if r.output_ids else r.input_ids for r in admitted]
         slots = [r.slot for r in admitted]
         self.runner.allocate(slots, [len(p) for p in prompts])
-        logits = self.runner.prefill(slots, prompts)
         self.prefill_tokens += sum(len(p) for p in prompts)
         self._running.extend(admitted)
         self._running.sort(key=lambda r: r.slot)
         self._batch_params = None
+        if self.deterministic:
+            for req, prompt in zip(admitted, prompts):
+                self._append_tokens([req], self.runner.prefill([req.slot], [prompt]), self._sampling_params([req]))
+            return
+        logits = self.runner.prefill(slots, prompts)
         self._append_tokens(admitted, logits, self._sampling_params(admitted))
 
     def _admission_blocks(self, req: EngineRequest) -> tuple[int, int]:
@@ -752,6 +762,12 @@ class Engine:
             self.runner.allocate([r.slot for r in growing],
                                  [len(r.input_ids) + len(r.output_ids) for r in growing])
         batch = self._running  # sorted by slot
+        if self.deterministic:
+            for req, position in zip(list(batch), positions):
+                logits = self.runner.decode([req.slot], [req.output_ids[-1]], [position])
+                self._append_tokens([req], logits, self._sampling_params([req]))
+            self.steps += 1
+            return
         if self._batch_params is None:
             self._batch_params = self._sampling_params(batch)
         params = self._batch_params

@@ -292,6 +292,10 @@ class ModelRunner:
         self._silu = getattr(config, "hidden_act", None) == "silu"
         self.max_slots = max_slots
         self.context_length = context_length
+        # Decode always through the gathered pages (never the slot-cache view, whose span is not whole
+        # pages): a request's numbers then depend on its tokens alone, not on its slot (Engine's
+        # deterministic mode).
+        self.paged_only = False
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._arange = torch.arange(context_length, device=self.device)
@@ -737,7 +741,7 @@ class ModelRunner:
         # is not short) read the pool as a slot cache, a view; any other batch gathers its pages.
         contiguous = slots[0] == 0 and slots[-1] == b - 1 and slots == list(range(b))
         pages = None
-        if not (contiguous and self._strays == 0):
+        if not (contiguous and self._strays == 0) or self.paged_only:
             blocks = (span - 1) // page + 1
             span = blocks * page  # whole pages
             table = self.block_table[:b, :blocks] if contiguous else self.block_table.index_select(0, slot_t)[:, :blocks]

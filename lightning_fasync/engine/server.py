@@ -409,6 +409,7 @@ async def server_info(request: web.Request) -> web.Response:
             "frontend": "python",
             "engine": "lightning-fasync-embedded",
             # SGLang's LoRA arguments as they apply here, and where adapters load from (ours: engine/lora.py).
+            "enable_deterministic_inference": engine.deterministic,
             "enable_lora": state["lora"].enabled,
             "max_loras_per_batch": 1,
             "lora_dir": state["lora"].lora_dir,
@@ -619,6 +620,9 @@ def parse_args(argv: Optional[list[str]] = None) -> Namespace:
                         "frees nothing, as in SGLang.")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="SGLang's flag; this engine keeps no prefix cache across requests, so it always holds.")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="SGLang's flag: a request's tokens and log-probs do not depend on the requests batched with it "
+                        "(here each request runs on its own: slower).")
     p.add_argument("--enable-metrics", action="store_true",
                    help="Serve Prometheus metrics at /metrics, under SGLang's metric names (SGLang's flag).")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda).")
@@ -682,7 +686,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         weight_version=args.weight_version, allow_auto_truncate=args.allow_auto_truncate,
                         return_original_logprob=args.return_original_logprob,
                         enable_memory_saver=args.enable_memory_saver, page_size=args.page_size,
-                        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static)
+                        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+                        deterministic=args.enable_deterministic_inference)
     except (KVCacheTooLargeError, UnsupportedModelError, ValueError) as exc:  # a configuration to fix, not a crash
         print(f"lightning-fasync serve: {exc}", file=sys.stderr)
         return 2

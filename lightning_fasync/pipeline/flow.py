@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from lightning_fasync.pipeline.engine_client import EngineClient, EngineError, EngineFault, GenerateRequest, GenerateResult, SamplingParams
@@ -74,6 +75,14 @@ def continuation(sample: PromptSample, index: int, seq: int) -> Trajectory:
     return Trajectory.fresh(sample.prompt_id, index, list(sample.input_ids), seq)
 
 
+def request_seed(base: int, traj: Trajectory) -> int:
+    """The sampling seed of the request that continues ``traj`` (``rollout.sampling_seed``): a hash of
+    ``base``, the prompt id, the trajectory's index and its length so far, in [0, 2**31) (every
+    engine's seed field takes it). Independent of batching and arrival order by construction."""
+    key = f"{base}:{traj.prompt_id.epoch}:{traj.prompt_id.index}:{traj.sample_index}:{len(traj.response_ids)}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") & 0x7FFFFFFF
+
+
 def resume_request(traj: Trajectory, sampling: SamplingParams, max_response_length: int, rid: str) -> Optional[GenerateRequest]:
     """The ``/generate`` request that continues ``traj``, or None when it has no budget left.
 
@@ -87,6 +96,8 @@ def resume_request(traj: Trajectory, sampling: SamplingParams, max_response_leng
     params = object.__new__(SamplingParams)
     params.__dict__.update(sampling.__dict__)
     params.max_new_tokens = remaining
+    if sampling.sampling_seed is not None:
+        params.sampling_seed = request_seed(sampling.sampling_seed, traj)
     return GenerateRequest(rid=rid, input_ids=list(traj.prompt_ids) + list(traj.response_ids), sampling_params=params)
 
 

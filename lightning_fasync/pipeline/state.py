@@ -118,6 +118,7 @@ class PipelineState:
         self.exhausted = False
         self.rollout_step = 0
         self.weight_version = 0
+        self.consumed_this_step = 0  # groups the trainer took since the step began (WindowView.consumed)
         self._consecutive_failed = 0
         self._error: Optional[BaseException] = None
         # Called at each poll of the main thread's waits (fetch, pause); may raise to abandon them.
@@ -154,6 +155,7 @@ class PipelineState:
             next_seq=self.next_seq,
             oldest_uncollected_seq=self.queue.oldest_uncollected_seq(self.next_seq),
             min_uncompleted_seq=self.queue.min_uncompleted_seq(self.next_seq),
+            consumed=self.consumed_this_step,
         )
 
     def add_wake_listener(self, fn: Callable[[], None]) -> None:
@@ -465,6 +467,7 @@ class PipelineState:
     def _pop_locked(self, k: int) -> list[TrajectoryGroup]:
         groups = self.buffer.pop(k)
         self.change_count += 1
+        self.consumed_this_step += len(groups)
         s = self._stats
         for g in groups:
             s.consumed_groups += 1
@@ -568,6 +571,7 @@ class PipelineState:
         with self.cond:
             self.rollout_step += 1
             self.weight_version += 1
+            self.consumed_this_step = 0
             self.paused = False
             self.change_count += 1
             self.cond.notify_all()

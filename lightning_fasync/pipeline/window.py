@@ -36,6 +36,8 @@ class WindowView:
             (``next_seq`` when there is none).
         min_uncompleted_seq: smallest seq among dispatched groups whose N trajectories have not
             all arrived (``next_seq`` when there is none).
+        consumed: groups the trainer consumed since this rollout step began (not a spec symbol;
+            what ``staleness-bounded`` counts).
     """
 
     B: int
@@ -45,6 +47,7 @@ class WindowView:
     next_seq: int
     oldest_uncollected_seq: int
     min_uncompleted_seq: int
+    consumed: int = 0
 
 
 @runtime_checkable
@@ -115,6 +118,41 @@ class WindowedFifo:
     def collect_horizon(self, view: WindowView) -> int:
         """No seq at or past this can be collected now (lets the collector stop scanning early)."""
         return view.min_uncompleted_seq + view.B
+
+    def reset(self) -> None:
+        pass
+
+
+class StalenessBounded:
+    """``staleness-bounded`` (not one of the spec's three): staleness bounded in weight versions, and
+    the training order the dataset's.
+
+    Dispatch: ``R + Q + consumed <= C``, where ``consumed`` counts the groups the trainer took in
+    this rollout step. The spec's rule ``R + Q <= C`` bounds how many groups wait, not how old they
+    get: a group the trainer takes frees room at once, so a group dispatched late in step k under
+    weights k can be trained in step k + 1 even at ``stale_steps: 0``. Counting this step's
+    consumption against the capacity (AReaL's rule: at most ``(version + 1 + stale) x B`` groups
+    dispatched by weights ``version``) bounds the age instead: with a whole ``stale_steps`` and B
+    groups trained per step, a group dispatched under weights k is trained by step k + stale_steps.
+    A prompt recycled at a boundary is dispatched again under the weights then in force (its tokens
+    so far keep their own versions).
+
+    Collection: in dispatch order (a group leaves TrajQueue once every earlier group has completed,
+    ``seq < min_uncompleted_seq``), so the trainer takes the groups in the order colocate does.
+
+    ``stale_steps: 0`` is then synchronous training on separate resources: the engines generate the
+    step's B groups under its weights and wait, the trainer trains on exactly them and the engines
+    get the new weights; with seeded sampling (``rollout.sampling_seed``) a run trains
+    bit-identically to colocate (docs/overview.md, "Staleness bounded in versions")."""
+
+    def dispatch_count(self, view: WindowView) -> int:
+        return max(0, view.C - view.R - view.Q - view.consumed)
+
+    def can_collect(self, seq: int, view: WindowView) -> bool:
+        return seq < view.min_uncompleted_seq
+
+    def collect_horizon(self, view: WindowView) -> int:
+        return view.min_uncompleted_seq
 
     def reset(self) -> None:
         pass

@@ -204,7 +204,8 @@ class RolloutRuntime:
                 cfg=cfg, engine_model=engine_model, plan=plan, prepared=prepared, context_length=context,
                 log_dir=log_dir, startup_timeout=startup_timeout, engine_threads=engine_threads,
                 # SGLang's flag: without it /release_memory_occupation frees nothing.
-                server_args=["--enable-memory-saver"] if colocate_offload else [],
+                server_args=(["--enable-memory-saver"] if colocate_offload else [])
+                + (["--enable-deterministic-inference"] if cfg.rollout.deterministic_inference else []),
             ))
         try:
             if pin:
@@ -220,6 +221,7 @@ class RolloutRuntime:
                     top_p=cfg.rollout.top_p,
                     top_k=cfg.rollout.top_k,
                     stop_token_ids=self.stop_token_ids,
+                    sampling_seed=cfg.rollout.sampling_seed,
                 )
                 flow = self._build_flow(client, sampling, cfg.rollout.max_response_length, reward)
             evaluator = self._build_evaluator(client)

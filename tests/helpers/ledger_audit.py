@@ -6,13 +6,15 @@ from __future__ import annotations
 import glob
 import os
 import subprocess
-from typing import Optional
+from typing import Any, Optional
 
 
-def run_fit(cmd: list[str], root: str, cwd: str, env: Optional[dict] = None, timeout: float = 600) -> tuple[str, str]:
+def run_fit(cmd: list[str], root: str, cwd: str, env: Optional[dict] = None, timeout: float = 600,
+            **popen: Any) -> tuple[str, str]:
     """Run a ``fit`` command line to the end (killed past ``timeout``); assert it succeeded and left
-    no engine behind. Returns ``(output, log_dir)``, the run's ``lightning_logs/version_*`` under ``root``."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
+    no engine behind. Returns ``(output, log_dir)``, the run's ``lightning_logs/version_*`` under ``root``.
+    ``popen``: more arguments for ``subprocess.Popen`` (e.g. ``preexec_fn``)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env, **popen)
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:

@@ -17,7 +17,7 @@ from lightning_fasync.pipeline.window import make_window_strategy
 from lightning_fasync.pipeline.flow import continuation
 from lightning_fasync.types import TrajectoryStatus
 
-STRATEGIES = ["no-window", "window-gated", "windowed-fifo"]
+STRATEGIES = ["no-window", "window-gated", "windowed-fifo", "staleness-bounded"]
 
 
 class Driver:
@@ -161,7 +161,8 @@ def test_scheduler_invariants(strategy, B, N, stale, partial, ops, seed):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_long_straggler_behaviour(strategy):
-    """One very slow group: no-window and windowed-fifo keep dispatching; window-gated stops at C."""
+    """One very slow group: no-window and windowed-fifo keep dispatching; window-gated stops at C, and so
+    does staleness-bounded (it collects in dispatch order, so every later group waits behind it)."""
     B, N, stale = 4, 1, 1.0
     d = Driver(strategy, B, N, stale, 0, False, k=1)
     d.dispatch()  # C = 8 groups dispatched
@@ -175,8 +176,8 @@ def test_long_straggler_behaviour(strategy):
             pass
         d.dispatch()
         d.check()
-    if strategy == "window-gated":
-        assert d.state.next_seq == 8, "window-gated must not cross the straggler by C or more"
+    if strategy in ("window-gated", "staleness-bounded"):
+        assert d.state.next_seq == 8, f"{strategy} must not cross the straggler by C or more"
     else:
         assert d.state.next_seq > 8
     if strategy == "windowed-fifo":
@@ -187,3 +188,44 @@ def test_long_straggler_behaviour(strategy):
         assert d.state.queue.num_ready == d.state.C - 1
         assert d.state.next_seq == d.state.C + B - 1
     d.inflight.append(straggler)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 6),
+    N=st.integers(1, 3),
+    stale=st.sampled_from([0, 1, 2]),
+    calls=st.sampled_from([1, 2, 3]),
+    partial=st.booleans(),
+    seed=st.integers(0, 1000),
+    steps=st.integers(1, 8),
+)
+def test_staleness_bounded_trains_nothing_older_than_stale_steps_in_dispatch_order(B, N, stale, calls, partial, seed, steps):
+    """``staleness-bounded``: with B groups trained per step (in ``calls`` fetches), a group dispatched
+    at step j is trained by step j + stale_steps, and the trainer gets groups in dispatch order; at
+    stale 0 every group is trained in the step that dispatched it and nothing is in flight at a boundary."""
+    d = Driver("staleness-bounded", B, N, float(stale), seed, partial, k=1)
+    dispatched_at: dict = {}
+    taken: list = []
+    for step in range(steps):
+        got = 0
+        while got < B:
+            before = d.state.next_seq
+            d.dispatch()
+            for seq in range(before, d.state.next_seq):
+                dispatched_at[seq] = step
+            assert d.state.R + d.state.Q + d.state.consumed_this_step <= d.state.C
+            if d.inflight:
+                d.complete_one(d.rng.randrange(1 << 30))
+            d.collect()
+            want = min(B - got, max(1, B // calls))
+            groups = d.state.try_fetch(want)
+            if groups:
+                for g in groups:
+                    assert step - dispatched_at[g.seq] <= stale, (g.seq, dispatched_at[g.seq], step)
+                    taken.append(g.seq)
+                got += len(groups)
+        if stale == 0:
+            assert d.state.in_flight == 0 and d.state.R == 0 and d.state.Q == 0
+        d.boundary()
+    assert taken == sorted(taken), "the trainer got the groups out of dispatch order"
