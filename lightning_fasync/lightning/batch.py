@@ -297,10 +297,17 @@ def check_packed_attention(model: torch.nn.Module) -> None:
     device = next(model.parameters()).device
     positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2]], device=device)
     logits = []
-    for first in ([1, 2, 3, 4], [4, 3, 1, 2]):  # one row per forward: FlashAttention's varlen path needs that
-        ids = torch.tensor([first + [2, 3, 1]], device=device) % vocab
-        with torch.no_grad():
-            logits.append(model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 4:].float())
+    # In eval mode (dropout would make the two forwards differ however the attention behaves), and
+    # without consuming the run's random numbers.
+    training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            for first in ([1, 2, 3, 4], [4, 3, 1, 2]):  # one row per forward: FlashAttention's varlen path needs that
+                ids = torch.tensor([first + [2, 3, 1]], device=device) % vocab
+                logits.append(model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, 4:].float())
+    finally:
+        model.train(training)
     gap = (logits[0] - logits[1]).abs().max().item()
     if not gap <= 1e-3 * (1.0 + logits[0].abs().max().item()):
         attn = getattr(getattr(model, "config", None), "_attn_implementation", None)

@@ -78,8 +78,15 @@ def _refuse_sharded(strategy: Any) -> None:
 
 
 def _check_fit_arguments(trainer: Any, pl_module: Any, calls_per_step: int) -> None:
-    """Refuse, before anything starts, a ``max_steps`` that ends inside a rollout step and a fit
-    without the rollout dataloader."""
+    """Refuse, before anything starts, a ``max_steps`` that ends inside a rollout step, gradient
+    accumulation over training calls, and a fit without the rollout dataloader."""
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise ConfigError(
+            f"`accumulate_grad_batches` is {accumulate}, but each training call is one optimizer update (the spec's "
+            "mini-batch M, and max_steps counts calls); train on more per update with trainer.mini_batch_size, or "
+            "bound its memory with trainer.max_tokens_per_micro_batch."
+        )
     max_steps = getattr(trainer, "max_steps", -1)
     if isinstance(max_steps, int) and max_steps > 0 and max_steps % calls_per_step:
         whole = -(-max_steps // calls_per_step) * calls_per_step

@@ -300,7 +300,6 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         self.lora = as_lora_config(lora)
         # A plain dict in the hyperparameters (checkpoints load with weights_only=True): what export rebuilds.
         self.hparams["lora"] = asdict(self.lora) if self.lora is not None else None
-        self._lora_fingerprint: Optional[torch.Tensor] = None
         self.algorithm = algorithm if algorithm is not None else AlgorithmConfig()
         self.use_rollout_log_probs = use_rollout_log_probs
         self.mask_offpolicy_in_partial_rollout = mask_offpolicy_in_partial_rollout
@@ -315,6 +314,13 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
             )
         self.model_name_or_path = model
         self.policy, self.tokenizer = self._build_policy(model)
+        # The base as built, before any precision plugin or device move casts it: a resumed run and
+        # export rebuild it the same way, whatever the trained run's precision did to it after.
+        self._lora_fingerprint: Optional[torch.Tensor] = None
+        if self.lora is not None:
+            from lightning_fasync.lora import base_fingerprint
+
+            self._lora_fingerprint = torch.frombuffer(bytearray.fromhex(base_fingerprint(self.policy)), dtype=torch.uint8)
         # Kept out of nn.Module's registry (see the class docstring): __dict__, not setattr. Built
         # from the policy as built, i.e. its initial weights.
         self.__dict__["_reference"] = build_reference(ref, self.policy, self.tokenizer) if ref.model else None
@@ -513,11 +519,8 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
     # ------------------------------------------------------------------ LoRA: adapter-only state
 
     def _lora_base_fingerprint(self) -> torch.Tensor:
-        """:func:`~lightning_fasync.lora.base_fingerprint` of the frozen base, as ``uint8`` bytes (computed once)."""
-        if self._lora_fingerprint is None:
-            from lightning_fasync.lora import base_fingerprint
-
-            self._lora_fingerprint = torch.frombuffer(bytearray.fromhex(base_fingerprint(self.policy)), dtype=torch.uint8)
+        """:func:`~lightning_fasync.lora.base_fingerprint` of the base as built (``uint8`` bytes)."""
+        assert self._lora_fingerprint is not None
         return self._lora_fingerprint.clone()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -602,6 +605,7 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         backpropagated here (:meth:`_micro_batched_objective`), and the last one's loss is returned
         for the driver's backward, clipping and optimizer step: one update, as without them."""
         algo = self.algorithm
+        self._accumulated = False  # not left over from a call that raised before its update
         data, mask, advantages, nan_mask = self.call_inputs(batch)
         data = self._agree_on_micro_batches(data)
         method = algo.prox_logp_method
@@ -713,9 +717,10 @@ class RLPolicyModule(FullyAsyncHooks, pl.LightningModule):
         fixed = denominators[0] if denominators else None
         denominators.clear()
 
-        if self._trainer is not None and self._fabric is None and self.automatic_optimization \
-                and batch_idx % getattr(self.trainer, "accumulate_grad_batches", 1) == 0:
-            for optimizer in self.trainer.optimizers:  # what Lightning's closure does before its backward
+        if self._trainer is not None and self._fabric is None and self.automatic_optimization:
+            # What Lightning's closure does before its backward (one call is one update: the callback
+            # refuses accumulate_grad_batches).
+            for optimizer in self.trainer.optimizers:
                 optimizer.zero_grad()
             self._accumulated = True
         last = len(plan.micro_batches) - 1

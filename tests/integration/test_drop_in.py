@@ -63,6 +63,16 @@ def test_a_max_steps_that_ends_inside_a_rollout_step_is_refused():
     assert cb.runtime is None  # nothing started
 
 
+def test_gradient_accumulation_over_training_calls_is_refused():
+    cb = FullyAsyncCallback(CONFIG)
+    trainer = _trainer(4)
+    trainer.accumulate_grad_batches = 2
+    with pytest.raises(ConfigError, match=r"`accumulate_grad_batches` is 2, but each training call is one optimizer "
+                                          r"update"):
+        cb.setup(trainer, _Policy(), "fit")
+    assert cb.runtime is None
+
+
 def test_fit_without_the_rollout_dataloader_says_what_to_return(tmp_path):
     cb = FullyAsyncCallback(CONFIG)
     trainer = pl.Trainer(max_steps=4, callbacks=[cb], logger=False, enable_progress_bar=False,

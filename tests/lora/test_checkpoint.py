@@ -7,6 +7,7 @@ import torch
 
 from lightning_fasync.config import ConfigError
 from lightning_fasync.lightning.module import LORA_FINGERPRINT_KEY, RLPolicyModule
+from lightning_fasync.lora import base_fingerprint
 
 LORA = {"r": 4, "alpha": 8.0, "dropout": 0.1, "target_modules": ["q_proj", "v_proj", "gate_proj"]}
 IDS = torch.tensor([[1, 40, 41, 42, 43, 44, 45], [1, 50, 51, 52, 53, 2, 0]])
@@ -65,7 +66,8 @@ def test_a_checkpoint_over_another_base_or_without_lora_is_refused():
     other = RLPolicyModule("tiny", lora=LORA)
     with torch.no_grad():
         next(p for p in other.policy.parameters() if not p.requires_grad).add_(1.0)  # another base
-    other._lora_fingerprint = None
+    # ...as a module built over it has it (the fingerprint is taken when the policy is built).
+    other._lora_fingerprint = torch.frombuffer(bytearray.fromhex(base_fingerprint(other.policy)), dtype=torch.uint8)
     with pytest.raises(ConfigError, match="not the base the checkpoint's LoRA adapter was trained on"):
         other.load_state_dict(state)
     full = RLPolicyModule("tiny")
@@ -76,3 +78,15 @@ def test_a_checkpoint_over_another_base_or_without_lora_is_refused():
     bigger = RLPolicyModule("tiny", lora={**LORA, "r": 8})
     with pytest.raises(ConfigError, match="`model.lora` is .* differs in shape"):
         bigger.on_load_checkpoint({"state_dict": state})
+
+
+def test_a_checkpoint_of_a_module_cast_by_its_precision_loads_into_a_fresh_module():
+    """Lightning restores a checkpoint before its precision plugin casts the module (``bf16-true``),
+    and export rebuilds the base in the default dtype: the fingerprint is the base's as built."""
+    module = RLPolicyModule("tiny", lora=LORA)
+    module.to(torch.bfloat16)  # what a bf16-true run's module is when it saves
+    state = module.state_dict()
+    fresh = RLPolicyModule("tiny", lora=LORA)
+    fresh.load_state_dict(state)
+    fresh.to(torch.bfloat16)  # and the other order: restored after the cast
+    fresh.load_state_dict(state)

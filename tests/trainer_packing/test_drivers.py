@@ -105,3 +105,17 @@ def test_the_earlier_micro_batches_are_not_zeroed_by_lightning():
     want, _ = _lightning(pack_sequences=False)
     gaps = [(module.policy.state_dict()[k] - v).abs().max().item() for k, v in want.items()]
     assert max(gaps) > 1e-4
+
+
+def test_a_call_that_raised_mid_way_leaves_no_gradients_behind():
+    """A micro-batched call that raised after zeroing (an out-of-memory backward, say) leaves its
+    partial gradients and the skip of Lightning's zero_grad set: the next call must not train on them."""
+    module = SGDPolicy("tiny", pack_sequences=False)
+    module.seen = []
+    for p in module.policy.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    module._accumulated = True
+    pl.Trainer(max_steps=CALLS, accelerator="cpu", devices=1, gradient_clip_val=CLIP, logger=False,
+               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(module)
+    _assert_same(({k: v.detach().clone() for k, v in module.policy.state_dict().items()}, module.seen),
+                 _lightning(pack_sequences=False))

@@ -180,6 +180,19 @@ def test_a_model_whose_attention_ignores_the_positions_is_refused():
     check_packed_attention(policy)  # the real one keeps them apart
 
 
+def test_the_probe_runs_without_dropout_and_leaves_the_mode_and_the_random_state_alone():
+    """A policy with dropout, in training mode (where the probe meets it at the first packed call):
+    its two forwards would differ by the dropout masks alone, whatever the attention does."""
+    policy = RLPolicyModule("tiny").policy
+    for layer in policy.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    policy.train()
+    state = torch.random.get_rng_state()
+    check_packed_attention(policy)
+    assert policy.training
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 # ------------------------------------------------------------------------------ config
 
 
