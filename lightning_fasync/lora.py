@@ -15,10 +15,12 @@ This module imports nothing of the package but the config schema and ``errors``.
 from __future__ import annotations
 
 import enum
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -27,7 +29,8 @@ from lightning_fasync.config.schema import LoRAConfig
 from lightning_fasync.errors import ConfigError
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_NAME", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "AdapterWeights", "LoRADelta", "adapter_config",
+    "ADAPTER_CONFIG", "ADAPTER_CONFIG_MAX_BYTES", "ADAPTER_NAME", "ADAPTER_WEIGHTS", "ADAPTER_WEIGHTS_MAX_BYTES",
+    "LORA_FINGERPRINT_KEY", "PEFT_PREFIX", "AdapterWeights", "LoRADelta", "adapter_config",
     "adapter_deltas", "adapter_state_dict", "apply_lora", "as_lora_config", "base_fingerprint", "base_weights",
     "is_lora", "merge_weight", "merged_state_dict", "merged_weights", "read_adapter_dir", "write_adapter_dir",
 ]
@@ -38,6 +41,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 """What peft's saved adapter names put before the Hugging Face module names."""
+LORA_FINGERPRINT_KEY = "lora_base_fingerprint"
+"""The state-dict entry of a LoRA module's checkpoint that identifies the base its adapter was trained on
+(``uint8`` SHA-256 bytes of :func:`base_fingerprint`): ``RLPolicyModule`` writes it, ``export/hf.py`` reads it."""
 
 
 def as_lora_config(value: Any) -> Optional[LoRAConfig]:
@@ -217,26 +223,100 @@ def write_adapter_dir(tensors: Mapping[str, torch.Tensor], config: Mapping[str, 
     return directory
 
 
+ADAPTER_CONFIG_MAX_BYTES = 2**20
+"""The largest ``adapter_config.json`` :func:`read_adapter_dir` reads (peft's are a few hundred bytes)."""
+ADAPTER_WEIGHTS_MAX_BYTES = 4 * 2**30
+"""The largest ``adapter_model.safetensors`` :func:`read_adapter_dir` reads."""
+
+
+def _open_adapter_file(path: str, limit: int) -> int:
+    """A read-only descriptor of ``path``, an adapter directory's own file: a regular file of at most
+    ``limit`` bytes, and not a symbolic link (``O_NOFOLLOW``: a link could point anywhere, past the
+    check of the directory). ``O_NONBLOCK`` keeps a FIFO from blocking the open.
+
+    Raises:
+        ValueError: anything else (the message names the file).
+    """
+    name = os.path.basename(path)
+    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):  # no O_NOFOLLOW (Windows): check first
+        raise ValueError(f"{path!r} is a symbolic link; an adapter's {name} must be a regular file in its directory.")
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise ValueError(f"{path!r} does not exist: an adapter directory holds {ADAPTER_CONFIG} and "
+                         f"{ADAPTER_WEIGHTS}.") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            raise ValueError(f"{path!r} is a symbolic link; an adapter's {name} must be a regular file in its "
+                             "directory.") from None
+        raise ValueError(f"{path!r} cannot be opened: {exc.strerror or exc}.") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path!r} is not a regular file; an adapter's {name} must be one.")
+        if info.st_size > limit:
+            raise ValueError(f"{path!r} is {info.st_size} bytes, more than the {limit} bytes an adapter's {name} "
+                             "may hold.")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_adapter_dir(directory: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """An adapter directory's config and tensors (safetensors only: no pickle is ever read).
 
+    Each file is read through a descriptor opened without following links, and must be a regular
+    file within its size cap (:data:`ADAPTER_CONFIG_MAX_BYTES`, :data:`ADAPTER_WEIGHTS_MAX_BYTES`):
+    the directory may have been checked (the engine's LoRA directory, ``engine/lora.py``), a link
+    inside it could lead anywhere.
+
     Raises:
-        ValueError: a missing or malformed file (the message names it).
+        ValueError: a missing, linked, oversized or malformed file (the message names it).
     """
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError
+    from safetensors.torch import load, load_file
 
     config_path, weights_path = os.path.join(directory, ADAPTER_CONFIG), os.path.join(directory, ADAPTER_WEIGHTS)
-    for path in (config_path, weights_path):
-        if not os.path.isfile(path):
-            raise ValueError(f"{path!r} does not exist: an adapter directory holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}.")
+    config_fd = _open_adapter_file(config_path, ADAPTER_CONFIG_MAX_BYTES)
     try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except ValueError as exc:
-        raise ValueError(f"{config_path!r} is not JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_path!r} must hold a JSON object.")
-    return config, load_file(weights_path)
+        weights_fd = _open_adapter_file(weights_path, ADAPTER_WEIGHTS_MAX_BYTES)
+    except BaseException:
+        os.close(config_fd)
+        raise
+    try:
+        with os.fdopen(config_fd, "rb") as f:
+            raw = f.read(ADAPTER_CONFIG_MAX_BYTES + 1)
+        if len(raw) > ADAPTER_CONFIG_MAX_BYTES:  # it grew since it was checked
+            raise ValueError(f"{config_path!r} is more than the {ADAPTER_CONFIG_MAX_BYTES} bytes an adapter's "
+                             f"{ADAPTER_CONFIG} may hold.")
+        try:
+            config = json.loads(raw.decode("utf-8"))
+        except ValueError as exc:  # UnicodeDecodeError included
+            raise ValueError(f"{config_path!r} is not JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path!r} must hold a JSON object.")
+        # The file this descriptor opened, whatever the name points to now: /dev/fd/N reopens it
+        # (Linux, macOS) for safetensors' own reader; elsewhere its bytes are read.
+        fd_path = f"/dev/fd/{weights_fd}"
+        try:
+            if os.path.exists(fd_path):
+                tensors = load_file(fd_path)
+            else:
+                with os.fdopen(weights_fd, "rb") as f:
+                    weights_fd = -1
+                    data = f.read(ADAPTER_WEIGHTS_MAX_BYTES + 1)
+                if len(data) > ADAPTER_WEIGHTS_MAX_BYTES:  # it grew since it was checked
+                    raise ValueError(f"{weights_path!r} is more than the {ADAPTER_WEIGHTS_MAX_BYTES} bytes an "
+                                     f"adapter's {ADAPTER_WEIGHTS} may hold.")
+                tensors = load(data)
+        except SafetensorError as exc:
+            raise ValueError(f"{weights_path!r} is not a safetensors file: {exc}") from None
+    finally:
+        if weights_fd >= 0:
+            os.close(weights_fd)
+    return config, tensors
 
 
 # ------------------------------------------------------------------------------ the engine's side

@@ -196,8 +196,11 @@ async def apply_update(request: web.Request, tensors: dict[str, Any], version: O
 
     try:
         async with request.app[STATE_KEY]["weights_lock"]:  # never while /weights_checker reads them
-            on_weight_update(request.app, tensors)  # a loaded LoRA adapter stays merged onto the new weights
+            # A loaded LoRA adapter stays merged onto the new weights; they become its base only
+            # once the engine has loaded them (a refused update leaves the base as it is).
+            commit_lora = on_weight_update(request.app, tensors)
             n = await blocking(engine.update_weights, tensors, version)
+            commit_lora()
     except ValueError as exc:
         return web.json_response({"success": False, "message": str(exc), **extra}, status=400)
     finally:

@@ -21,17 +21,25 @@ engine's LoRA directory is accepted (``$FASYNC_ENGINE_LORA_DIR``; by default a p
 engine creates at start, mode 0700, removed at exit), after resolving links and ``..``
 (``os.path.realpath``); ``/server_info`` reports it as ``lora_dir``, where a trainer on this host
 writes its adapters. The adapter is read from ``adapter_config.json`` and ``adapter_model.safetensors``
-only (no pickle). An app built with ``enable_lora=False`` refuses every load, as SGLang does without
-``--enable-lora``.
+only (no pickle), each a regular file of that directory within a size cap, opened without following
+links (:func:`~lightning_fasync.lora.read_adapter_dir`): a link inside the directory is refused, as
+it could point anywhere.
+
+Loads and unloads run one at a time (:attr:`LoRAState.lock`, held from the check of what is loaded
+to the change of the weights), so two concurrent loads never both merge; neither is idempotent, and
+clients send them once (``SGLangClient._lora_call``).
+
+An app built with ``enable_lora=False`` refuses every load, as SGLang does without ``--enable-lora``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from aiohttp import web
 
@@ -42,6 +50,8 @@ from lightning_fasync.engine.protocol import BadRequest
 LORA_KEY = "lora"
 _COMMON = {"rid", "http_worker_ipc"}  # SGLang's BaseReq fields
 NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."  # SGLang's message
+LOCK_TIMEOUT_S = 600.0
+"""How long a load or unload waits for the one running before it (:attr:`LoRAState.lock`) before it is refused."""
 
 
 @dataclass
@@ -63,6 +73,9 @@ class LoRAState:
     lora_dir: Optional[str]
     owned_dir: bool = False  # created by the engine: removed at exit
     loaded: Optional[Loaded] = None
+    # Held by a load or unload from its check of ``loaded`` to its change of the weights, so two
+    # calls never both see no adapter loaded and merge twice (or unload twice).
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @classmethod
     def create(cls, enabled: bool, lora_dir: Optional[str]) -> "LoRAState":
@@ -132,6 +145,20 @@ def _merge(loaded: Loaded, names: Any = None) -> dict[str, Any]:
     return {n: merge_weight(loaded.base[n], loaded.deltas[n]) for n in (names if names is not None else loaded.deltas)}
 
 
+async def _locked(state: LoRAState, name: str, action: str, handler: Callable[[], Any]) -> web.Response:
+    """``handler()`` with ``state.lock`` held, so a load or unload checks what is loaded and changes
+    the weights as one step; a call that waits past :data:`LOCK_TIMEOUT_S` is refused. The handler
+    runs shielded: a cancelled request never leaves the weights changed and ``state.loaded`` not."""
+    try:
+        await asyncio.wait_for(state.lock.acquire(), LOCK_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return _answer(state, False, f"Failed to {action} LoRA adapter {name}: another adapter load or unload held "
+                                     f"the engine for more than {LOCK_TIMEOUT_S:g} s.")
+    task = asyncio.ensure_future(handler())
+    task.add_done_callback(lambda _: state.lock.release())
+    return await asyncio.shield(task)
+
+
 async def load_lora_adapter(request: web.Request) -> web.Response:
     body = await json_body(request)
     protocol.check_fields(body, {"lora_name", "lora_path", "pinned", "lora_id", *_COMMON}, "load_lora_adapter")
@@ -144,29 +171,33 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     state = state_of(request.app)
     if not state.enabled:
         return _answer(state, False, NOT_ENABLED)
-    if state.loaded is not None:
-        message = (f"Failed to load LoRA adapter {name} because it is already loaded" if state.loaded.name == name else
-                   f"Failed to load LoRA adapter {name}: the embedded engine merges one adapter into its weights and "
-                   f"{state.loaded.name!r} is loaded; unload it first.")
-        return _answer(state, False, message)
     engine = request.app[ENGINE_KEY]
-    try:
-        resolved = allowed_path(state, path)
-        deltas = await blocking(_read, engine, resolved)
-    except ValueError as exc:
-        return _answer(state, False, f"Failed to load LoRA adapter {name}: {exc}")
-    except Exception as exc:  # noqa: BLE001 - a damaged file: the caller is told, the server goes on
-        return _answer(state, False, f"Failed to load LoRA adapter {name}: {type(exc).__name__}: {exc}")
-    async with request.app[STATE_KEY]["weights_lock"]:
-        params = dict(engine.model.named_parameters(remove_duplicate=False))
-        loaded = Loaded(name, path, deltas, {n: params[n].detach().clone() for n in deltas})
+
+    async def load() -> web.Response:
+        if state.loaded is not None:
+            message = (f"Failed to load LoRA adapter {name} because it is already loaded" if state.loaded.name == name
+                       else f"Failed to load LoRA adapter {name}: the embedded engine merges one adapter into its "
+                            f"weights and {state.loaded.name!r} is loaded; unload it first.")
+            return _answer(state, False, message)
         try:
-            merged = await blocking(_merge, loaded)
-            await blocking(engine.update_weights, merged, None)
+            resolved = allowed_path(state, path)
+            deltas = await blocking(_read, engine, resolved)
         except ValueError as exc:
             return _answer(state, False, f"Failed to load LoRA adapter {name}: {exc}")
-        state.loaded = loaded
-    return _answer(state, True)
+        except Exception as exc:  # noqa: BLE001 - a damaged file: the caller is told, the server goes on
+            return _answer(state, False, f"Failed to load LoRA adapter {name}: {type(exc).__name__}: {exc}")
+        async with request.app[STATE_KEY]["weights_lock"]:
+            params = dict(engine.model.named_parameters(remove_duplicate=False))
+            loaded = Loaded(name, path, deltas, {n: params[n].detach().clone() for n in deltas})
+            try:
+                merged = await blocking(_merge, loaded)
+                await blocking(engine.update_weights, merged, None)
+            except ValueError as exc:
+                return _answer(state, False, f"Failed to load LoRA adapter {name}: {exc}")
+            state.loaded = loaded
+        return _answer(state, True)
+
+    return await _locked(state, name, "load", load)
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
@@ -177,32 +208,50 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
     state = state_of(request.app)
     if not state.enabled:
         return _answer(state, False, NOT_ENABLED)
-    if state.loaded is None or state.loaded.name != name:
-        loaded = [state.loaded.name] if state.loaded is not None else []
-        return _answer(state, False, f"LoRA adapter {name} is not loaded; loaded adapters: {loaded}.")
     engine = request.app[ENGINE_KEY]
-    async with request.app[STATE_KEY]["weights_lock"]:
-        try:
-            await blocking(engine.update_weights, dict(state.loaded.base), None)
-        except ValueError as exc:
-            return _answer(state, False, f"Failed to unload LoRA adapter {name}: {exc}")
-        state.loaded = None
-    return _answer(state, True)
+
+    async def unload() -> web.Response:
+        if state.loaded is None or state.loaded.name != name:
+            loaded = [state.loaded.name] if state.loaded is not None else []
+            return _answer(state, False, f"LoRA adapter {name} is not loaded; loaded adapters: {loaded}.")
+        async with request.app[STATE_KEY]["weights_lock"]:
+            try:
+                await blocking(engine.update_weights, dict(state.loaded.base), None)
+            except ValueError as exc:
+                return _answer(state, False, f"Failed to unload LoRA adapter {name}: {exc}")
+            state.loaded = None
+        return _answer(state, True)
+
+    return await _locked(state, name, "unload", unload)
 
 
-def on_weight_update(app: web.Application, tensors: dict[str, Any]) -> None:
+def on_weight_update(app: web.Application, tensors: dict[str, Any]) -> Callable[[], None]:
     """Before a full weight update is loaded (``http_common.apply_update``; the weights lock is held):
-    with an adapter loaded, the updated weights it adapts become its new base, and what is loaded in
-    their place is that base with the adapter merged, so the adapter stays applied."""
+    with an adapter loaded, what is loaded in place of each updated weight it adapts is that weight
+    with the adapter merged, so the adapter stays applied. Returns the commit, to call once the
+    engine has loaded ``tensors``: the updated weights then become the adapter's new base. An
+    update the engine refuses is not committed, so the base stays the one served, and unloading
+    still restores it. A weight whose shape is not the base's is left as it is, for the engine to
+    refuse the update (no merge is attempted)."""
     state = app[STATE_KEY].get(LORA_KEY)
     loaded = state.loaded if state is not None else None
     if loaded is None:
-        return
-    hit = [n for n in tensors if n in loaded.deltas]
-    for name in hit:
+        return lambda: None
+    from lightning_fasync.lora import merge_weight
+
+    new_base: dict[str, Any] = {}
+    for name in [n for n in tensors if n in loaded.deltas]:
         like = loaded.base[name]
-        loaded.base[name] = tensors[name].detach().to(like.device, like.dtype, copy=True)
-    tensors.update(_merge(loaded, hit))
+        if tuple(tensors[name].shape) != tuple(like.shape):
+            continue
+        new_base[name] = tensors[name].detach().to(like.device, like.dtype, copy=True)
+    tensors.update({n: merge_weight(base, loaded.deltas[n]) for n, base in new_base.items()})
+
+    def commit() -> None:
+        if state.loaded is loaded:
+            loaded.base.update(new_base)
+
+    return commit
 
 
 def generate_adapter(app: web.Application, body: dict[str, Any]) -> None:

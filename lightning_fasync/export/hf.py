@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 import torch
 
 from lightning_fasync.config import ConfigError
+from lightning_fasync.lora import LORA_FINGERPRINT_KEY
 from lightning_fasync.policy import policy_skeleton
 from lightning_fasync.registry import TRAINERS
 
@@ -193,8 +194,8 @@ def save_hf_from_stream(stream: "TensorStream", model: str, out: str, max_shard_
 # ------------------------------------------------------------------------------ LoRA runs
 
 
-_LORA_FINGERPRINT = "lora_base_fingerprint"
-"""``RLPolicyModule``'s state-dict entry of a LoRA run (``LORA_FINGERPRINT_KEY`` there)."""
+_LORA_FINGERPRINT = LORA_FINGERPRINT_KEY
+"""``RLPolicyModule``'s state-dict entry of a LoRA run (:data:`~lightning_fasync.lora.LORA_FINGERPRINT_KEY`)."""
 
 
 def _export_lora(state_dict: Mapping[str, Any], hparams: Mapping[str, Any], name: str, out: str, prefix: str,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Mapping, Optional, Sequence
@@ -452,40 +453,72 @@ class SGLangClient(EngineClient):
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
         """SGLang's ``/load_lora_adapter`` on every worker: load the adapter directory ``lora_path``
-        (peft's saved format) under ``lora_name``.
+        (peft's saved format) under ``lora_name``. Sent once to each (:meth:`_lora_call`).
 
         Raises:
-            EngineError: a worker refused (its ``error_message``).
+            EngineError: a worker refused (its ``error_message``) or did not answer.
         """
         body = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
-        self._check_lora(await self._lora_call("/load_lora_adapter", body), "load_lora_adapter")
+        await self._lora_all("/load_lora_adapter", body)
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
-        """SGLang's ``/unload_lora_adapter`` on every worker.
+        """SGLang's ``/unload_lora_adapter`` on every worker. Sent once to each (:meth:`_lora_call`).
 
         Raises:
-            EngineError: a worker refused (the adapter is not loaded there, say).
+            EngineError: a worker refused (the adapter is not loaded there, say) or did not answer.
         """
-        self._check_lora(await self._lora_call("/unload_lora_adapter", {"lora_name": lora_name}), "unload_lora_adapter")
+        await self._lora_all("/unload_lora_adapter", {"lora_name": lora_name})
 
-    async def _lora_call(self, path: str, body: dict[str, Any]) -> list[Any]:
-        async def one(url: str) -> Any:
-            try:
-                return await self._request("POST", url + path, body)
-            except EngineError as exc:  # SGLang answers a refused load or unload with 400 and its body
-                if exc.status == 400:
-                    return {"success": False, "error_message": str(exc)}
-                raise
+    async def _lora_all(self, path: str, body: dict[str, Any]) -> None:
+        async def one(url: str) -> None:
+            self._check_lora(url, path, await self._lora_call(url, path, body))
 
-        results = await asyncio.gather(*(self._on_worker(u, one(u)) for u in self.worker_urls))
-        return [r for r in results if r is not SKIPPED]
+        await asyncio.gather(*(self._on_worker(u, one(u)) for u in self.worker_urls))
+
+    async def _lora_call(self, url: str, path: str, body: dict[str, Any], timeout: Optional[float] = None,
+                         timeout_key: str = "admin_timeout_s") -> dict[str, Any]:
+        """One ``path`` (``/load_lora_adapter`` or ``/unload_lora_adapter``) call to the worker ``url``,
+        sent once whatever happens: neither is idempotent (a load repeated after a timeout finds the
+        adapter loaded, or loads it twice), so unlike :meth:`_request` there is no retry on a timeout,
+        a lost connection or a 5xx. The one implementation of these calls: ``rollout.weight_sync:
+        adapter`` (:class:`~lightning_fasync.weights.lora_sync.AdapterWeightSync`) uses it too.
+
+        Returns:
+            SGLang's answer (``LoRAUpdateOutput``: ``success``, ``error_message``, ``loaded_adapters``),
+            a refusal (400) included.
+
+        Raises:
+            EngineFault: no answer within ``timeout`` (default ``admin_timeout_s``), named as ``timeout_key``.
+            EngineUnavailable: the connection failed.
+            EngineError: any other status, or an answer that is not such an object.
+        """
+        session = await self._http()
+        total = timeout or self.admin_timeout_s
+        try:
+            async with session.post(url + path, json=body,
+                                    timeout=aiohttp.ClientTimeout(total=total, sock_connect=10)) as resp:
+                text = await resp.text()
+                status = resp.status
+        except asyncio.TimeoutError as exc:
+            raise EngineFault(f"POST {url}{path} did not answer within {total:g} s (`{timeout_key}`); it was not "
+                              "sent again, as adapter loads and unloads are not idempotent.") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"POST {url}{path} failed and was not sent again, as adapter loads and unloads "
+                                    f"are not idempotent: {exc!r}") from exc
+        try:
+            answer = json.loads(text) if text else None
+        except ValueError:
+            answer = None
+        if status not in (200, 400) or not isinstance(answer, dict):
+            raise EngineError(f"POST {url}{path} answered {status}: {text[:500]}", status=status)
+        return answer
 
     @staticmethod
-    def _check_lora(results: list[Any], what: str) -> None:
-        for r in results:
-            if not (isinstance(r, dict) and r.get("success") is True):
-                message = r.get("error_message") if isinstance(r, dict) else r
-                raise EngineError(f"{what} failed: {str(message)[:500]}")
+    def _check_lora(url: str, path: str, answer: dict[str, Any]) -> None:
+        """Raise ``EngineError`` unless ``answer`` (of :meth:`_lora_call`) says the call succeeded."""
+        if answer.get("success") is not True:
+            message = answer.get("error_message") or str(answer)
+            raise EngineError(f"{url} refused {path}: {str(message)[:500]}", status=400)
 
     async def update_lora_adapter(self, adapter: Mapping[str, Any], weight_version: Optional[int] = None) -> None:
         """Replace the trainer's adapter on every worker (``rollout.weight_sync: adapter``'s client

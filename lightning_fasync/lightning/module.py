@@ -35,6 +35,7 @@ from lightning_fasync.config import (MIXED_PRECISION, REFERENCE_DTYPES, Algorith
 from lightning_fasync.lightning.batch import (PACKED_ATTENTION, PolicyBatch, RolloutBatch, collate_groups, forward_log_probs,
                                              plan_forwards, rollout_dataloader)
 from lightning_fasync.lightning.hooks import FullyAsyncHooks
+from lightning_fasync.lora import LORA_FINGERPRINT_KEY
 from lightning_fasync.weights.tensor_stream import TensorStream
 from lightning_fasync.registry import TRAINERS
 from lightning_fasync.types import TrajectoryGroup
@@ -176,11 +177,6 @@ class BaseOfAdapted(torch.nn.Module):
                 return policy(*args, **kwargs)
         finally:
             policy.train(training)
-
-
-LORA_FINGERPRINT_KEY = "lora_base_fingerprint"
-"""The state-dict entry of a LoRA module's checkpoint that identifies the base its adapter was trained on
-(``uint8`` SHA-256 bytes of :func:`~lightning_fasync.lora.base_fingerprint`)."""
 
 
 LR_SCHEDULES = ("constant", "cosine", "linear")

@@ -26,7 +26,6 @@ it, which the rollout requests do not, so this path runs with ``rollout.backend:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -38,7 +37,7 @@ import torch
 from lightning_fasync.config import ConfigError
 from lightning_fasync.lora import AdapterWeights, merged_weights, read_adapter_dir, write_adapter_dir
 from lightning_fasync.registry import WeightPath
-from lightning_fasync.pipeline.engine_client import SKIPPED
+from lightning_fasync.pipeline.engine_client import SKIPPED, EngineError
 from lightning_fasync.weights.sync import KeptWeights, WeightSync, WeightSyncError
 
 __all__ = ["ADAPTER", "DEFAULT_LORA_NAME", "AdapterKept", "AdapterWeightSync", "check_adapter_config"]
@@ -128,45 +127,27 @@ class AdapterWeightSync(WeightSync):
 
         return dict(await asyncio.gather(*(one(u) for u in urls)))
 
-    async def _post(self, url: str, path: str, body: dict[str, Any], where: str) -> tuple[int, Any]:
-        """One POST to ``url + path``: its status and parsed JSON answer (a 400 is an answer, not an error)."""
-        import aiohttp
-
-        session = await self.rpc._http()
-        try:
-            async with session.post(url + path, json=body, timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
-                text = await r.text()
-                try:
-                    return r.status, json.loads(text) if text else None
-                except ValueError:
-                    return r.status, text
-        except asyncio.TimeoutError:
-            raise WeightSyncError(f"The weight sync of {where} failed on {url} ({path}): no answer within "
-                                  f"{self.timeout_s:g} s (`{self.timeout_key}`).") from None
-        except aiohttp.ClientError as exc:
-            raise WeightSyncError(f"The weight sync of {where} failed on {url} ({path}): {exc!r}") from exc
-
     async def _swap(self, url: str, directory: str, version: Optional[int], where: str) -> Any:
-        """Unload the previous adapter on ``url``, load ``directory`` under the same name, set the version."""
-        name = self.lora_name
+        """Unload the previous adapter on ``url``, load ``directory`` under the same name, set the version.
+        The LoRA calls are the client's own (:meth:`~lightning_fasync.fleet.client.SGLangClient._lora_call`),
+        sent once each: neither is idempotent."""
+        name, rpc = self.lora_name, self.rpc
 
         async def swap() -> None:
-            status, answer = await self._post(url, "/unload_lora_adapter", {"lora_name": name}, where)
-            loaded = answer.get("loaded_adapters") if isinstance(answer, dict) else None
-            if status != 200 and (not isinstance(answer, dict) or name in (loaded or {})):
-                raise WeightSyncError(f"The weight sync of {where} failed on {url} (/unload_lora_adapter): "
-                                      f"{status} {str(answer)[:500]}")
-            status, answer = await self._post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": directory},
-                                              where)
-            if status != 200 or not (isinstance(answer, dict) and answer.get("success") is True):
-                raise WeightSyncError(f"The weight sync of {where} failed on {url} (/load_lora_adapter): "
-                                      f"{status} {str(answer)[:500]}")
-            if version is not None:
-                status, answer = await self._post(url, "/update_weight_version",
-                                                  {"new_version": str(version), "abort_all_requests": False}, where)
-                if status != 200:
-                    raise WeightSyncError(f"The weight sync of {where} failed on {url} (/update_weight_version): "
-                                          f"{status} {str(answer)[:500]}")
+            try:
+                path = "/unload_lora_adapter"
+                answer = await rpc._lora_call(url, path, {"lora_name": name}, self.timeout_s, self.timeout_key)
+                if name in (answer.get("loaded_adapters") or {}):  # not loaded (a restart) is no error
+                    rpc._check_lora(url, path, answer)
+                path = "/load_lora_adapter"
+                rpc._check_lora(url, path, await rpc._lora_call(url, path, {"lora_name": name, "lora_path": directory},
+                                                                self.timeout_s, self.timeout_key))
+                if version is not None:
+                    await rpc._request("POST", url + "/update_weight_version",
+                                       {"new_version": str(version), "abort_all_requests": False},
+                                       timeout=self.timeout_s, timeout_key=self.timeout_key)
+            except EngineError as exc:
+                raise WeightSyncError(f"The weight sync of {where} failed: {exc}") from exc
 
         result = await self.client._on_worker(url, swap())
         return None if result is SKIPPED else result
