@@ -11,7 +11,15 @@ every mode alike:
   halves of the cores, one torch thread per core);
 - fully-async with shared cores: trainer and engine each on every core with as many threads (the
   operating system shares them; the engine's OpenMP workers sleep when idle);
-- fully-async no-window and windowed-fifo at stale 1.0.
+- fully-async no-window, windowed-fifo, window-gated and staleness-bounded at stale 1.0, windowed-fifo
+  at stale 2.0 (the spec's tables 5.3 and 5.4);
+- how the boundary treats the requests in flight: waits for them, or in-flight updates (KV kept or
+  recomputed), beside the default abort-and-resume.
+
+``--config`` picks the workload (the long-tailed one: ``configs/tiny_cpu_longtail.yaml``);
+``--seed-per-round`` gives each round its own seed, so the rounds are also seeds of a learning
+comparison (reward against wall-clock, and the wall-clock each mode takes to reach colocate's
+final reward).
 
 Per run: the mean step time excluding step 0 (steady state), the same over the run's first, middle
 and last third (responses shorten as the policy learns, so the phases differ), the phase times
@@ -32,7 +40,9 @@ Written to `--out` (default `benchmarks/results/speedup/`): `speedup.md` (machin
 from its first round (`timeline-<mode>.png`, also logged to that run's TensorBoard). A load average
 over 0.5 per core before the start is warned about in the output.
 
-    python benchmarks/speedup.py                  # 3 rounds x 9 modes x 120 steps, ~40 minutes on 2 cores
+    python benchmarks/speedup.py                  # 3 rounds x 12 modes x 120 steps, ~55 minutes on 2 cores
+    python benchmarks/speedup.py --config configs/tiny_cpu_longtail.yaml --steps 60 --seed-per-round 1 \
+        --out benchmarks/results/speedup_longtail  # the long-tailed workload, rounds as seeds
     python benchmarks/speedup.py --quick          # 20 steps, 1 round: a smoke check, ~3 minutes
     python benchmarks/speedup.py --from-raw benchmarks/results/speedup   # tables again from raw/
 
@@ -65,7 +75,8 @@ from parity import slug  # noqa: E402
 
 from lightning_fasync.plots import log_image_to_tensorboard, plot_timeline, read_scalars  # noqa: E402
 
-B = 16  # the config's prompts per step (colocate + partial over-dispatches B // 4)
+B = 16  # the configs' prompts per step (colocate + partial over-dispatches B // 4)
+DEFAULT_CONFIG = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 BASELINE = "colocate"
 _CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 SHARED = [f"--trainer.strategy.init_args.trainer_cores=[{','.join(map(str, _CORES))}]",
@@ -78,6 +89,10 @@ MODES: list[tuple[str, list[str]]] = [
     ("fully-async, shared cores", SHARED),
     ("fully-async no-window, stale 1.0", ["--fully_async.sliding_window=no-window", "--fully_async.stale_steps=1.0"]),
     ("fully-async windowed-fifo, stale 1.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=1.0"]),
+    ("fully-async windowed-fifo, stale 2.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=2.0"]),
+    ("fully-async window-gated, stale 1.0", ["--fully_async.sliding_window=window-gated", "--fully_async.stale_steps=1.0"]),
+    ("fully-async staleness-bounded, stale 1.0", ["--fully_async.sliding_window=staleness-bounded",
+                                                  "--fully_async.stale_steps=1.0"]),
     # How the boundary treats the requests in flight (the default aborts and resumes them).
     ("fully-async, boundary waits", ["--rollout.partial=false"]),
     ("fully-async, in-flight updates", ["--rollout.weight_update_mode=inflight"]),
@@ -167,13 +182,14 @@ def cpu_between(samples: list[tuple[float, dict[str, float]]], t0: float, t1: fl
 
 
 def run_one(name: str, overrides: list[str], rnd: int, steps: int, root: str, extra: list[str],
-            timeline: Optional[str] = None) -> dict[str, Any]:
-    """Run `fit` once under ``root``; with ``timeline``, draw the run's timeline there (PNG, also
-    logged to the run's TensorBoard as an image)."""
+            timeline: Optional[str] = None, config: str = DEFAULT_CONFIG, seed: Optional[int] = None) -> dict[str, Any]:
+    """Run `fit` of ``config`` once under ``root`` (with ``seed``: ``--seed_everything=seed``); with
+    ``timeline``, draw the run's timeline there (PNG, also logged to the run's TensorBoard as an image)."""
     run_root = os.path.join(root, f"{slug(name)}-{rnd}")
-    cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"),
+    seeded = [] if seed is None else [f"--seed_everything={seed}"]
+    cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", config,
            f"--trainer.default_root_dir={run_root}", "--trainer.enable_progress_bar=false", "--trainer.save_freq=0",
-           f"--trainer.rollout_steps={steps}", *overrides, *extra]
+           f"--trainer.rollout_steps={steps}", *seeded, *overrides, *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     sampler = CpuSampler(proc.pid)
@@ -195,6 +211,8 @@ def run_one(name: str, overrides: list[str], rnd: int, steps: int, root: str, ex
     tb = read_scalars(log_dir, with_wall_time=True)
     series = lambda tag: [float(v) for _, v, _ in tb.get(tag, [])]  # noqa: E731
     walls = [w for _, _, w in tb.get("timing/step", [])]
+    # Wall-clock at the end of each step, from the start of step 0 (start-up excluded).
+    first = walls[0] - series("timing/step")[0] if walls else 0.0
     # Steady state: from the end of step 0 to the end of the last step.
     cpu = cpu_between(samples, walls[0], walls[-1]) if len(walls) > 1 else {}
     return {
@@ -213,6 +231,12 @@ def run_one(name: str, overrides: list[str], rnd: int, steps: int, root: str, ex
         "partial_restored": series("rollout/partial_restored_count"),
         "cpu_steady": cpu,
         "proc_wall_s": wall,
+        "seed": seed,
+        "config": os.path.relpath(config, REPO),
+        "step_end_s": [w - first for w in walls],
+        "response_length_mean": series("rollout/response_length_mean"),
+        "response_length_max": series("rollout/response_length_max"),
+        "pause_delay": series("timing/pause_delay"),
     }
 
 
@@ -248,7 +272,9 @@ def run_figures(run: dict[str, Any], cores: int) -> dict[str, Any]:
         "trainer_cpu": per_step.get("trainer"),
         "engine_cpu": per_step.get("engine"),
         "floor": floor,
+        "step0": step[0] if step else None,
         "final_reward": mean(run["reward"][-10:]),
+        "pause_delay": mean(run.get("pause_delay", [])[1:]),
         "pipeline_buf_size": mean(run["pipeline_buf_size"]),
         "partial_ratio": mean(run["partial_ratio"]),
         "partial_restored": mean(run["partial_restored"]),
@@ -256,6 +282,15 @@ def run_figures(run: dict[str, Any], cores: int) -> dict[str, Any]:
     for phase, lo, hi in thirds(n):
         fig[phase] = mean(step[lo:hi])
     return fig
+
+
+def wall_to_reward(reward: list[float], ends: list[float], target: float, window: int = 5) -> Optional[float]:
+    """Seconds from step 0's start to the end of the first step where the running mean of the last
+    ``window`` rewards reaches ``target``; None when it never does (or the run has no wall-clock)."""
+    for i in range(len(reward)):
+        if i < len(ends) and statistics.fmean(reward[max(0, i - window + 1): i + 1]) >= target:
+            return ends[i]
+    return None
 
 
 def spread(xs: list[Optional[float]]) -> tuple[Optional[float], Optional[float], Optional[float]]:
@@ -285,22 +320,34 @@ def summarize(runs: list[dict[str, Any]], cores: int) -> tuple[list[dict[str, An
         if f["mode"] == BASELINE:  # colocate's two-thread overlap bound: (R + T) / max(R, T)
             r, t = f["wait"], f["train"]
             f["colocate_bound"] = (r + t) / max(r, t) if r and t else None
+    # Learning: wall-clock (from step 0's start) until the reward's 5-step running mean first reaches
+    # colocate's median final reward, and that time over colocate's own, per round.
+    target = statistics.median([f["final_reward"] for f in base.values() if f["final_reward"] is not None] or [0.0])
+    for f in figs:
+        f["wall_to_target"] = wall_to_reward(f.get("reward", []), f.get("step_end_s", []), target)
+    for f in figs:
+        b = base.get(f["round"])
+        f["wall_ratio"] = (b["wall_to_target"] / f["wall_to_target"]
+                           if b and b.get("wall_to_target") and f["wall_to_target"] else None)
     modes = list(dict.fromkeys(f["mode"] for f in figs))
     rows = []
     for m in modes:
         fs = [f for f in figs if f["mode"] == m]
         keys = ["steady", "all", "early", "middle", "late", "wait", "trainer_work", "train", "trainer_cpu", "engine_cpu",
                 "speedup", "speedup_all", "speedup_early", "speedup_middle", "speedup_late", "bound", "share",
-                "final_reward", "pipeline_buf_size", "partial_ratio", "partial_restored", "colocate_bound"]
+                "final_reward", "pipeline_buf_size", "partial_ratio", "partial_restored", "colocate_bound", "step0",
+                "pause_delay", "wall_to_target", "wall_ratio"]
         rows.append({"mode": m, "rounds": len(fs), **{k: spread([f.get(k) for f in fs]) for k in keys}})
     return rows, {"figs": figs}
 
 
 def markdown(rows: list[dict[str, Any]], steps: int) -> str:
-    head = ("| mode | avg step excl. step 0 (s) | speedup | early / middle / late step (s) | speedup early / middle / late | "
+    head = ("| mode | avg step excl. step 0 (s) | speedup | avg step, all steps (s) | speedup, all steps | step 0 (s) | "
+            "early / middle / late step (s) | speedup early / middle / late | "
             "trainer wait / work / train (s) | CPU s per step: trainer / engine | honest bound | share of bound | "
-            "pipeline_buf_size | partial_ratio | final reward |")
-    lines = [head, "|" + "---|" * 12]
+            "pipeline_buf_size | partial_ratio | partial_rollout_restored | pause_delay (s) | final reward | "
+            "wall-clock to colocate's final reward (s) | against colocate |")
+    lines = [head, "|" + "---|" * 19]
     for r in rows:
         medians = lambda keys, unit="": " / ".join("-" if r[k][0] is None else f"{r[k][0]:.2f}{unit}" for k in keys)  # noqa: E731
         ph = medians(("early", "middle", "late"))
@@ -308,10 +355,14 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
         wt = medians(("wait", "trainer_work", "train"))
         cpu = medians(("trainer_cpu", "engine_cpu"))
         share = "-" if r["share"][0] is None else f"{r['share'][0]:.0%} ({r['share'][1]:.0%}-{r['share'][2]:.0%})"
+        reached = f"{r['wall_to_target'][0]:.0f} ({r['wall_to_target'][1]:.0f}-{r['wall_to_target'][2]:.0f})" \
+            if r["wall_to_target"][0] is not None else "not reached"
         lines.append(
-            f"| {r['mode']} | {fmt(r['steady'], 3)} | {fmt(r['speedup'], 2, 'x')} | {ph} | {sp} | {wt} | {cpu} | "
+            f"| {r['mode']} | {fmt(r['steady'], 3)} | {fmt(r['speedup'], 2, 'x')} | {fmt(r['all'], 3)} | "
+            f"{fmt(r['speedup_all'], 2, 'x')} | {fmt(r['step0'], 2)} | {ph} | {sp} | {wt} | {cpu} | "
             f"{fmt(r['bound'], 2, 'x')} | {share} | {fmt(r['pipeline_buf_size'], 1)} | {fmt(r['partial_ratio'], 3)} | "
-            f"{fmt(r['final_reward'], 3)} |"
+            f"{fmt(r['partial_restored'], 1)} | {fmt(r['pause_delay'], 3)} | {fmt(r['final_reward'], 3)} | {reached} | "
+            f"{fmt(r['wall_ratio'], 2, 'x')} |"
         )
     colo = next((r for r in rows if r["mode"] == BASELINE), None)
     notes = [
@@ -319,7 +370,11 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
         f"{steps} outer steps per run; median (range) over {rows[0]['rounds']} interleaved round(s). Speedup: each round's "
         "colocate step over the mode's (excl. step 0; early / middle / late: the run's thirds). Trainer wait: "
         "`timing/rollout`; work: step minus wait; train: training calls plus batch assembly. Honest bound: colocate step / "
-        "max(trainer work, (trainer + engine CPU) / cores), from each fully-async run at its own thread counts.",
+        "max(trainer work, (trainer + engine CPU) / cores), from each fully-async run at its own thread counts. "
+        "Final reward: mean of the last 10 steps. Wall-clock to colocate's final reward: from step 0's start until the "
+        "5-step running mean of the reward first reaches colocate's median final reward (\"not reached\" if never); "
+        "against colocate: colocate's time over the mode's, per round (rounds with their own seed when run with "
+        "--seed-per-round).",
     ]
     if colo and colo["colocate_bound"][0] is not None:
         notes.append(
@@ -331,8 +386,9 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
 
 
 CSV_KEYS = ["steady", "all", "early", "middle", "late", "wait", "trainer_work", "train", "trainer_cpu", "engine_cpu", "speedup",
-            "speedup_early", "speedup_middle", "speedup_late", "bound", "share", "final_reward", "pipeline_buf_size",
-            "partial_ratio", "partial_restored", "colocate_bound"]
+            "speedup_all", "speedup_early", "speedup_middle", "speedup_late", "bound", "share", "final_reward",
+            "pipeline_buf_size", "partial_ratio", "partial_restored", "step0", "pause_delay", "wall_to_target", "wall_ratio",
+            "colocate_bound"]
 
 
 def write_outputs(runs: list[dict[str, Any]], out: str, info: dict[str, Any], wall: float, warning: Optional[str]) -> str:
@@ -363,6 +419,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode, interleaved")
     parser.add_argument("--modes", nargs="+", default=None, help="subset of the modes (slugs), colocate always included")
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "speedup"))
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="the workload (default: the main job)")
+    parser.add_argument("--seed-per-round", type=int, metavar="SEED", default=None,
+                        help="round r runs every mode with --seed_everything=SEED+r (rounds double as seeds)")
     parser.add_argument("--from-raw", metavar="DIR", help="no runs: rebuild the tables from DIR/raw/*.json and DIR/meta.json")
     args, extra = parser.parse_known_args(argv)
     if args.from_raw:
@@ -385,7 +444,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             for name, overrides in modes:
                 print(f"[round {rnd + 1}/{rounds}] {name} ...", end=" ", flush=True)
                 png = os.path.join(args.out, f"timeline-{slug(name)}.png") if rnd == 0 else None
-                run = run_one(name, overrides, rnd, steps, tmp, extra, timeline=png)
+                seed = None if args.seed_per_round is None else args.seed_per_round + rnd
+                run = run_one(name, overrides, rnd, steps, tmp, extra, timeline=png, config=os.path.abspath(args.config),
+                              seed=seed)
                 with open(os.path.join(raw_dir, f"{slug(name)}-{rnd}.json"), "w") as fh:
                     json.dump(run, fh)
                 print(f"{statistics.fmean(run['step'][1:]):.3f} s/step, {run['proc_wall_s']:.0f} s", flush=True)

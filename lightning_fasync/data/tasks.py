@@ -11,6 +11,9 @@ The registered task ``"repeat"`` asks for one letter repeated ``n`` times::
 ``n`` follows a geometric law truncated to ``1..max_len``: most answers are short, a few are
 long, so response lengths (and generation times) have the long tail that asynchronous rollout is
 meant to absorb. The fixed prompt length lets a simple sampler batch prompts without padding.
+With ``max_len`` over 99, ``n`` takes three digits (7-token prompts); ``length_law: pareto`` draws
+it from a heavy-tailed law instead (tens of letters at the median, hundreds at the tail: the
+long-tailed workload, ``configs/tiny_cpu_longtail.yaml``).
 """
 
 from __future__ import annotations
@@ -68,10 +71,16 @@ class RepeatTask:
     Args:
         tokenizer: A char-level tokenizer with a BOS and an EOS token (default: the ``tiny``
             preset's).
-        max_len: Longest answer, in letters (at most 99: ``n`` is written with two digits).
+        max_len: Longest answer, in letters (at most 999; ``n`` is written with two digits up to
+            99, three above).
         mean_len: Mean of the untruncated geometric length law (``p = 1 / mean_len``).
         alphabet_size: Letters drawn from ``'a'`` onwards (1..26).
         eos_weight: Share of the reward that needs the exact stop.
+        length_law: ``geometric`` (``mean_len``) or ``pareto``: ``n = floor(min_len / U ** (1 /
+            tail_index))``, truncated to ``max_len``; a tail index at or below 1 has no mean, so a
+            few answers in every batch are far longer than the median ``min_len * 2 ** (1 / tail_index)``.
+        min_len: The Pareto law's smallest answer.
+        tail_index: The Pareto law's shape (smaller: heavier tail).
     """
 
     tokenizer: Any = None
@@ -79,11 +88,20 @@ class RepeatTask:
     mean_len: float = 8.0
     alphabet_size: int = 8
     eos_weight: float = 0.2
+    length_law: str = "geometric"
+    min_len: int = 4
+    tail_index: float = 0.8
     name: str = field(default="repeat", init=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_len <= 99:
-            raise ValueError(f"`max_len` is {self.max_len}; it must be in 1..99 (two digits).")
+        if not 1 <= self.max_len <= 999:
+            raise ValueError(f"`max_len` is {self.max_len}; it must be in 1..999 (at most three digits).")
+        if self.length_law not in ("geometric", "pareto"):
+            raise ValueError(f"`length_law` is {self.length_law!r}; it must be geometric or pareto.")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"`min_len` is {self.min_len}; it must be in 1..max_len ({self.max_len}).")
+        if not self.tail_index > 0:
+            raise ValueError(f"`tail_index` is {self.tail_index}; it must be > 0.")
         if not 1 <= self.alphabet_size <= 26:
             raise ValueError(f"`alphabet_size` is {self.alphabet_size}; it must be in 1..26.")
         if self.mean_len < 1:
@@ -97,6 +115,7 @@ class RepeatTask:
         self.eos_id: int = tok.eos_token_id
         self.stop_token_ids = [self.eos_id]
         self.max_new_tokens = self.max_len + 1  # room for the EOS after the longest answer
+        self.digits = 2 if self.max_len <= 99 else 3
         self.letters = [chr(ord("a") + i) for i in range(self.alphabet_size)]
         # Char ids looked up once: make_prompts and reward then avoid the tokenizer entirely.
         chars = list("abcdefghijklmnopqrstuvwxyz0123456789*=")
@@ -105,8 +124,10 @@ class RepeatTask:
             raise ValueError("The tokenizer must have one token per letter, digit, '*' and '='.")
 
     def sample_length(self, rng: random.Random) -> int:
-        """One answer length: geometric with mean ``mean_len`` by inverse CDF
-        (``1 + floor(log U / log(1 - p))``, one uniform draw), truncated to ``max_len``."""
+        """One answer length by inverse CDF (one uniform draw), truncated to ``max_len``: geometric
+        with mean ``mean_len`` (``1 + floor(log U / log(1 - p))``), or Pareto (``length_law``)."""
+        if self.length_law == "pareto":
+            return min(self.max_len, int(self.min_len / (1.0 - rng.random()) ** (1.0 / self.tail_index)))
         p = 1.0 / self.mean_len
         if p >= 1.0:
             return 1
@@ -123,7 +144,7 @@ class RepeatTask:
         for _ in range(num):
             letter = rng.choice(self.letters)
             n = self.sample_length(rng)
-            ids = [self.bos_id] + [self._ids[c] for c in f"{letter}*{n:02d}="]
+            ids = [self.bos_id] + [self._ids[c] for c in f"{letter}*{n:0{self.digits}d}="]
             out.append((ids, {"letter_id": self._ids[letter], "length": n}))
         return out
 
@@ -241,3 +262,41 @@ def warm_start(
         losses.append(float(loss))
     model.eval()
     return losses
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m lightning_fasync.data.tasks OUT``: warm-start a policy on a task's noisy
+    demonstrations (:func:`warm_start`) and save it to OUT, e.g. the long-tailed workload's policy::
+
+        python -m lightning_fasync.data.tasks runs/tiny_longtail_policy \\
+            --task-args '{"max_len": 400, "length_law": "pareto", "min_len": 4, "tail_index": 0.8}'
+    """
+    import argparse
+    import json
+
+    import torch
+
+    from lightning_fasync.policy import build_policy, save_policy
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_fasync.data.tasks",
+                                     description="Warm-start a policy on a task's noisy demonstrations and save it.")
+    parser.add_argument("out", help="directory to write the Hugging Face model to")
+    parser.add_argument("--model", default="tiny", help="preset or local directory to start from")
+    parser.add_argument("--task", default="repeat", help="a registered task or package.module:Class")
+    parser.add_argument("--task-args", default="{}", help="the task's arguments as JSON (data_source.task_args)")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--noise", type=float, default=0.3, help="demonstration noise in [0, 1]")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    model, tokenizer = build_policy(args.model)
+    task = make_task(args.task, **json.loads(args.task_args))
+    losses = warm_start(model, task, args.steps, batch_size=args.batch_size, lr=args.lr, noise=args.noise, seed=args.seed)
+    save_policy(model, tokenizer, args.out)
+    print(f"warm start: loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; saved to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

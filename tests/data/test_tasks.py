@@ -34,8 +34,23 @@ def test_protocol_and_registry(task):
     assert task.max_new_tokens == task.max_len + 1
     with pytest.raises(ValueError, match="`data_source.task` is .*, which is not a registered task"):
         make_task("nope")
-    with pytest.raises(ValueError):
-        make_task("repeat", max_len=100)
+    with pytest.raises(ValueError, match="`max_len` is 1000"):
+        make_task("repeat", max_len=1000)
+    with pytest.raises(ValueError, match="`length_law` is 'zipf'"):
+        make_task("repeat", length_law="zipf")
+
+
+def test_the_pareto_law_has_a_heavy_tail_and_three_digit_prompts():
+    task = make_task("repeat", max_len=400, length_law="pareto", min_len=4, tail_index=0.8)
+    prompts = task.make_prompts(4000, seed=0)
+    lengths = sorted(meta["length"] for _, meta in prompts)
+    assert lengths[0] >= 4 and lengths[-1] == 400
+    median, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
+    assert median < 20 and p99 >= 300  # tens at the median, hundreds at the tail
+    ids, meta = prompts[0]
+    text = task.tokenizer.decode(ids[1:])
+    assert len(ids) == 7 and text == f"{task.tokenizer.decode([meta['letter_id']])}*{meta['length']:03d}="
+    assert task.score(task.answer_ids(meta), meta) == 1.0
 
 
 def test_prompts_deterministic_for_a_seed(task):
