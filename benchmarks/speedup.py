@@ -76,6 +76,7 @@ from parity import slug  # noqa: E402
 from lightning_fasync.plots import log_image_to_tensorboard, plot_timeline, read_scalars  # noqa: E402
 
 B = 16  # the configs' prompts per step (colocate + partial over-dispatches B // 4)
+N = 8  # the configs' trajectories per prompt (consumed tokens per step: B x N x mean response length)
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 BASELINE = "colocate"
 _CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -275,6 +276,10 @@ def run_figures(run: dict[str, Any], cores: int) -> dict[str, Any]:
         "step0": step[0] if step else None,
         "final_reward": mean(run["reward"][-10:]),
         "pause_delay": mean(run.get("pause_delay", [])[1:]),
+        # Response tokens the trainer consumed per second of steady state: in steady state what the
+        # engines generated and kept (aborted work redone is not counted twice).
+        "tokens_per_s": (sum(run["response_length_mean"][1:]) * B * N / sum(ss)
+                         if run.get("response_length_mean") and sum(ss) else None),
         "pipeline_buf_size": mean(run["pipeline_buf_size"]),
         "partial_ratio": mean(run["partial_ratio"]),
         "partial_restored": mean(run["partial_restored"]),
@@ -336,7 +341,7 @@ def summarize(runs: list[dict[str, Any]], cores: int) -> tuple[list[dict[str, An
         keys = ["steady", "all", "early", "middle", "late", "wait", "trainer_work", "train", "trainer_cpu", "engine_cpu",
                 "speedup", "speedup_all", "speedup_early", "speedup_middle", "speedup_late", "bound", "share",
                 "final_reward", "pipeline_buf_size", "partial_ratio", "partial_restored", "colocate_bound", "step0",
-                "pause_delay", "wall_to_target", "wall_ratio"]
+                "pause_delay", "wall_to_target", "wall_ratio", "tokens_per_s"]
         rows.append({"mode": m, "rounds": len(fs), **{k: spread([f.get(k) for f in fs]) for k in keys}})
     return rows, {"figs": figs}
 
@@ -345,9 +350,9 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
     head = ("| mode | avg step excl. step 0 (s) | speedup | avg step, all steps (s) | speedup, all steps | step 0 (s) | "
             "early / middle / late step (s) | speedup early / middle / late | "
             "trainer wait / work / train (s) | CPU s per step: trainer / engine | honest bound | share of bound | "
-            "pipeline_buf_size | partial_ratio | partial_rollout_restored | pause_delay (s) | final reward | "
-            "wall-clock to colocate's final reward (s) | against colocate |")
-    lines = [head, "|" + "---|" * 19]
+            "pipeline_buf_size | partial_ratio | partial_rollout_restored | pause_delay (s) | consumed tokens/s | "
+            "final reward | wall-clock to colocate's final reward (s) | against colocate |")
+    lines = [head, "|" + "---|" * 20]
     for r in rows:
         medians = lambda keys, unit="": " / ".join("-" if r[k][0] is None else f"{r[k][0]:.2f}{unit}" for k in keys)  # noqa: E731
         ph = medians(("early", "middle", "late"))
@@ -361,7 +366,8 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
             f"| {r['mode']} | {fmt(r['steady'], 3)} | {fmt(r['speedup'], 2, 'x')} | {fmt(r['all'], 3)} | "
             f"{fmt(r['speedup_all'], 2, 'x')} | {fmt(r['step0'], 2)} | {ph} | {sp} | {wt} | {cpu} | "
             f"{fmt(r['bound'], 2, 'x')} | {share} | {fmt(r['pipeline_buf_size'], 1)} | {fmt(r['partial_ratio'], 3)} | "
-            f"{fmt(r['partial_restored'], 1)} | {fmt(r['pause_delay'], 3)} | {fmt(r['final_reward'], 3)} | {reached} | "
+            f"{fmt(r['partial_restored'], 1)} | {fmt(r['pause_delay'], 3)} | {fmt(r['tokens_per_s'], 0)} | "
+            f"{fmt(r['final_reward'], 3)} | {reached} | "
             f"{fmt(r['wall_ratio'], 2, 'x')} |"
         )
     colo = next((r for r in rows if r["mode"] == BASELINE), None)
@@ -388,7 +394,7 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
 CSV_KEYS = ["steady", "all", "early", "middle", "late", "wait", "trainer_work", "train", "trainer_cpu", "engine_cpu", "speedup",
             "speedup_all", "speedup_early", "speedup_middle", "speedup_late", "bound", "share", "final_reward",
             "pipeline_buf_size", "partial_ratio", "partial_restored", "step0", "pause_delay", "wall_to_target", "wall_ratio",
-            "colocate_bound"]
+            "tokens_per_s", "colocate_bound"]
 
 
 def write_outputs(runs: list[dict[str, Any]], out: str, info: dict[str, Any], wall: float, warning: Optional[str]) -> str:

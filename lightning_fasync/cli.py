@@ -1,4 +1,4 @@
-"""The ``lightning-fasync`` command: ``fit``, ``simulate`` and ``serve``.
+"""The ``lightning-fasync`` command: ``fit``, ``simulate``, ``plan``, ``serve`` and ``export``.
 
 Every command parses with jsonargparse from the dataclasses in :mod:`lightning_fasync.config`
 (their field docstrings are the ``--help``): overrides follow the spec's keys,
@@ -65,10 +65,11 @@ def _simulate(argv: Sequence[str]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv_is_process = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("simulate", "serve", "fit", "export")
+    commands = ("simulate", "plan", "serve", "fit", "export")
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lightning-fasync {simulate,serve,fit,export} ...\n\n"
+        print("usage: lightning-fasync {simulate,plan,serve,fit,export} ...\n\n"
               "  simulate  plan a run on a virtual clock (colocate vs fully-async)\n"
+              "  plan      profile a config briefly, predict every mode's speed, recommend one\n"
               "  serve     start one embedded rollout engine (SGLang native API)\n"
               "  fit       train (Lightning integration)\n"
               "  export    write a checkpoint's policy as a Hugging Face directory")
@@ -83,6 +84,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return _simulate(rest)
             except (ValueError, FileNotFoundError) as exc:  # a bad trace or config file
                 print(f"lightning-fasync simulate: error: {exc}", file=sys.stderr)
+                return 2
+        if command == "plan":
+            from lightning_fasync.plan import main as plan_main
+
+            try:
+                return plan_main(rest)
+            except (ValueError, FileNotFoundError, RuntimeError) as exc:  # a failed profile run, a bad file
+                print(f"lightning-fasync plan: error: {exc}", file=sys.stderr)
                 return 2
         if command == "export":
             from lightning_fasync.export.hf import main as export_main

@@ -291,7 +291,9 @@ class Simulation:
             traj.response_ids = _Count(req.base_len + generated)
             if traj.start_version is None:
                 traj.start_version = req.version
-            traj.end_version = req.version
+            # The weights in force now: a request kept in flight across a boundary
+            # (rollout.weight_update_mode: inflight) ends under newer ones than it started with.
+            traj.end_version = self.state.weight_version
         traj.status = status
         self.state.add_trajectory(traj)
 

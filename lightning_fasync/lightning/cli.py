@@ -331,6 +331,29 @@ CLI_KWARGS: dict[str, Any] = dict(
 )
 
 
+class _ParseOnly(FasyncCLI):
+    """``fit``'s parsing and checks (overrides, links, ``validate``), without building anything."""
+
+    def instantiate_classes(self) -> None:
+        pass
+
+
+def parse_fit_args(args: Sequence[str]) -> tuple[FasyncConfig, Any]:
+    """What ``lightning-fasync fit ARGS`` would run, parsed exactly as ``fit`` parses it, nothing
+    built: the validated plugin config and the rest of the namespace (``model``, ``trainer``; its
+    spec ``trainer.*`` keys are in the plugin config).
+
+    Raises:
+        ConfigError: a refused command line or config, in one sentence.
+    """
+    args = [str(a) for a in args]
+    import_plugins_named(args)
+    kwargs = {**CLI_KWARGS, "parser_kwargs": {k: v for k, v in CLI_KWARGS["parser_kwargs"].items() if k != "fit"}}
+    cli = _ParseOnly(policy_class(args), args=args, run=False, save_config_callback=None, seed_everything_default=None,
+                     **{k: v for k, v in kwargs.items() if k != "save_config_kwargs"})
+    return cli.fasync_config, cli.config
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``lightning-fasync fit ...``: returns the exit status."""
     if argv is None:

@@ -472,6 +472,7 @@ class PipelineState:
         for g in groups:
             s.consumed_groups += 1
             vmin, vmax = None, None
+            lengths = []
             for t in g.trajectories:
                 s.consumed_trajectories += 1
                 span = t.version_span
@@ -483,6 +484,7 @@ class PipelineState:
                     s.reward_sum += t.reward
                     s.reward_count += 1
                 n = len(t.response_ids)
+                lengths.append(n)
                 s.length_sum += n
                 if n > s.length_max:
                     s.length_max = n
@@ -490,7 +492,8 @@ class PipelineState:
                     vmin = t.start_version if vmin is None else min(vmin, t.start_version)
                     vmax = t.end_version if vmax is None else max(vmax, t.end_version)
             self.ledger.record(
-                "consume", prompt=str(g.prompt_id), seq=g.seq, step=self.rollout_step, start_version=vmin, end_version=vmax
+                "consume", prompt=str(g.prompt_id), seq=g.seq, step=self.rollout_step, start_version=vmin, end_version=vmax,
+                response_lengths=lengths,
             )
             if self.events.enabled:
                 self.events.emit("consume", seq=g.seq, prompt=g.prompt_id, R=self.R, Q=self.Q, step=self.rollout_step)

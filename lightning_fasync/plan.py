@@ -1,0 +1,465 @@
+"""``lightning-fasync plan``: profile a config briefly, calibrate the simulator on it, predict every mode.
+
+The profile is the real thing, short:
+
+- two ``fit`` runs of the config, a few rollout steps each: colocate (rollout and training take
+  turns on every core) and fully-async (the configured split). From their TensorBoard scalars and
+  ledgers (``response_lengths`` of every consumed group): the trainer's seconds per training call
+  and per thousand response tokens at each side's thread count (a least-squares fit over the
+  steps), the weight sync, the pause and the rest of each step boundary, and the response lengths;
+- the engine's decode throughput against concurrency, measured on a real engine server pinned as
+  each mode pins it (every core for colocate, its own cores for fully-async), fitted to the
+  simulator's curve ``T(c) = peak * c / (c + half)``.
+
+Each mode is then simulated (:mod:`lightning_fasync.simulate`, the live pipeline on a virtual clock)
+with the calibration of its own resource layout, response lengths drawn from the profile's groups,
+and the table gives each mode's predicted steady-state step (step 0 excluded) and speedup over
+colocate, with a recommendation. A config with a ``simulate:`` section (a GPU cluster's, e.g. the
+spec's ``configs/sim/dapo_h20.yaml``) is planned from that section's calibration, no profile, and
+the recommendation also weighs other trainer : rollout GPU splits of the same cluster.
+
+What the models leave out (docs/simulator.md): the response lengths are the profile's, early in
+training, while a learning policy changes them; engine throughput does not depend on the context
+length; thread counts other than the profiled split are not measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional, Sequence
+
+from lightning_fasync.config import ConfigError, FasyncConfig, validate, with_overrides
+from lightning_fasync.simulate import ReplicaModel, SimConfig, Simulation, summarize
+
+__all__ = ["EngineCurve", "TrainerFit", "RunProfile", "Profile", "MODES", "fit_curve", "fit_trainer", "predict", "main"]
+
+MODES: list[tuple[str, dict[str, Any]]] = [
+    ("colocate", {"colocate": True, "fully_async.enable": False, "rollout.partial": False}),
+    ("colocate + partial", {"colocate": True, "fully_async.enable": False, "rollout.partial": True}),
+    ("fully-async (default)", {}),
+    ("fully-async no-window, stale 1.0", {"fully_async.sliding_window": "no-window", "fully_async.stale_steps": 1.0}),
+    ("fully-async windowed-fifo, stale 1.0", {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 1.0}),
+    ("fully-async windowed-fifo, stale 2.0", {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 2.0}),
+    ("fully-async window-gated, stale 1.0", {"fully_async.sliding_window": "window-gated", "fully_async.stale_steps": 1.0}),
+    ("fully-async staleness-bounded, stale 1.0", {"fully_async.sliding_window": "staleness-bounded",
+                                                  "fully_async.stale_steps": 1.0}),
+    ("fully-async, boundary waits", {"rollout.partial": False, "rollout.weight_update_mode": None}),
+    ("fully-async, in-flight updates", {"rollout.partial": True, "rollout.weight_update_mode": "inflight"}),
+]
+"""The modes a plan predicts (``benchmarks/speedup.py`` measures the same rows live); the fully-async
+ones keep the config's other keys. ``colocate + partial`` over-dispatches B // 4 groups."""
+
+CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
+CURVE_TOKENS = 48
+PROFILE_TIMEOUT_S = 1800.0
+
+
+# ------------------------------------------------------------------------------------------ models
+
+
+@dataclass
+class EngineCurve:
+    """A replica's decode throughput against concurrency, measured, and its fit."""
+
+    threads: int
+    points: list[tuple[int, float]]
+    """(concurrent requests, aggregate tokens/s)."""
+    peak_tokens_per_s: float
+    half_saturation: float
+
+
+@dataclass
+class TrainerFit:
+    """Seconds of training per rollout step: ``calls * base_s + s_per_ktoken * response tokens / 1000``."""
+
+    threads: int
+    base_s: float
+    s_per_ktoken: float
+    samples: list[tuple[int, float]] = field(default_factory=list)
+    """(response tokens, seconds of training) of each profiled step."""
+
+
+@dataclass
+class RunProfile:
+    """What one short live run measured (step 0 left out)."""
+
+    mode: str
+    steps: list[float]
+    trainer: TrainerFit
+    sync_s: float
+    pause_s: float
+    other_s: float
+    """The rest of a step that is neither rollout wait, training, sync nor pause (metrics, logging, the boundary)."""
+    lengths: list[list[int]]
+    """The response lengths of every consumed group."""
+
+
+@dataclass
+class Profile:
+    cores: int
+    colocate: RunProfile
+    fully_async: RunProfile
+    engine: dict[int, EngineCurve]
+    """By engine threads: every core (colocate), and the fully-async replica's."""
+    fa_engine_threads: int
+    max_running_requests: int
+    replicas: int
+    """Engine replicas of the fully-async layout (``FullyAsyncStrategy``'s ``rollout_replicas``)."""
+
+
+def fit_curve(points: Sequence[tuple[int, float]], threads: int = 1) -> EngineCurve:
+    """Least squares of ``1 / T = 1 / peak + (half / peak) / c`` (a decode step costs a fixed part
+    plus a part per request): the simulator's ``T(c) = peak * c / (c + half)``."""
+    xs = [1.0 / c for c, _ in points]
+    ys = [1.0 / t for _, t in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    if intercept <= 0:  # no saturation seen: throughput still linear in c; take the best point as the peak
+        c, t = max(points, key=lambda p: p[1])
+        return EngineCurve(threads, list(points), t * 2.0, float(c))
+    return EngineCurve(threads, list(points), 1.0 / intercept, max(slope, 0.0) / intercept)
+
+
+def fit_trainer(samples: Sequence[tuple[int, float]], calls: int, threads: int) -> TrainerFit:
+    """Least squares of ``seconds = calls * base + k * tokens / 1000`` over the profiled steps, both
+    coefficients kept >= 0 (a fit through the origin when the tokens barely vary)."""
+    xs = [t / 1000.0 for t, _ in samples]
+    ys = [s for _, s in samples]
+    if len(samples) >= 3 and statistics.pstdev(xs) > 0.05 * max(statistics.fmean(xs), 1e-9):
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        k = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        base = (my - k * mx) / max(calls, 1)
+        if k >= 0 and base >= 0:
+            return TrainerFit(threads, base, k, list(samples))
+    k = sum(ys) / max(sum(xs), 1e-9)
+    return TrainerFit(threads, 0.0, k, list(samples))
+
+
+# ------------------------------------------------------------------------------------------ profile
+
+
+def _fit_args(config: str, overrides: Sequence[str]) -> list[str]:
+    return ["--config", config, *overrides]
+
+
+def _profile_run(name: str, args: Sequence[str], mode: Sequence[str], steps: int, root: str, calls: int,
+                 threads: int) -> RunProfile:
+    """A ``fit`` of ``steps`` rollout steps; its scalars and ledger, reduced to what the simulator takes."""
+    from lightning_fasync.plots import read_scalars
+
+    run_root = os.path.join(root, name)
+    cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", *args, *mode, f"--trainer.rollout_steps={steps}",
+           f"--trainer.default_root_dir={run_root}", "--trainer.enable_progress_bar=false", "--trainer.save_freq=0"]
+    print(f"plan: profiling {name}, {steps} steps ...", file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=PROFILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"The {name} profile run did not finish within {PROFILE_TIMEOUT_S:.0f} s.") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"The {name} profile run failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
+    (log_dir,) = [os.path.join(run_root, "lightning_logs", d) for d in os.listdir(os.path.join(run_root, "lightning_logs"))]
+    tb = read_scalars(log_dir)
+    get = lambda tag: [float(v) for _, v in tb.get(tag, [])]  # noqa: E731
+    step, wait, train = get("timing/step"), get("timing/rollout"), get("timing/train")
+    process = get("timing/process_traj") or [0.0] * len(step)
+    sync, pause = get("timing/update_weights") or [0.0] * len(step), get("timing/pause_delay") or [0.0] * len(step)
+    tokens = [0] * len(step)
+    lengths: list[list[int]] = []
+    with open(os.path.join(log_dir, "ledger.jsonl")) as fh:
+        for line in fh:
+            rec = json.loads(line)
+            if rec.get("kind") == "consume" and "response_lengths" in rec:
+                lengths.append(list(rec["response_lengths"]))
+                if rec["step"] < len(tokens):
+                    tokens[rec["step"]] += sum(rec["response_lengths"])
+    keep = range(1, len(step))  # step 0 pays the start-up
+    samples = [(tokens[i], train[i] + process[i]) for i in keep]
+    trainer = fit_trainer(samples, calls, threads)
+    other = [max(0.0, step[i] - wait[i] - train[i] - process[i] - sync[i] - pause[i]) for i in keep]
+    return RunProfile(name, [step[i] for i in keep], trainer, statistics.median([sync[i] for i in keep]),
+                      statistics.median([pause[i] for i in keep]), statistics.median(other), lengths)
+
+
+def _engine_curve(model: str, cores: list[int], max_running: int) -> EngineCurve:
+    """Decode tokens/s of one real engine server pinned to ``cores`` (as the mode pins it), at each
+    concurrency: ``c`` requests of :data:`CURVE_TOKENS` tokens sent together, over HTTP."""
+    from lightning_fasync.fleet.pool import RolloutPool
+    from lightning_fasync.pipeline.engine_client import GenerateRequest, SamplingParams
+
+    pool = RolloutPool(model, num_replicas=1, threads_per_replica=len(cores), max_running_requests=max_running,
+                       cpu_cores=[cores]).start()
+    points: list[tuple[int, float]] = []
+
+    async def measure() -> None:
+        client = pool.client(generate_timeout_s=600.0)
+        try:
+            params = SamplingParams(max_new_tokens=CURVE_TOKENS, temperature=1.0, ignore_eos=True)
+            prompt = [1, 5, 6, 7, 8, 9]
+            await client.generate_batch([GenerateRequest("warm", prompt, params)])
+            for c in [c for c in CONCURRENCIES if c <= max_running]:
+                reqs = [GenerateRequest(f"c{c}-{i}", prompt, params) for i in range(c)]
+                t0 = time.perf_counter()
+                results = await client.generate_batch(reqs)
+                dt = time.perf_counter() - t0
+                points.append((c, sum(len(r.output_ids) for r in results) / dt))
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(measure())
+    finally:
+        pool.stop()
+    return fit_curve(points, threads=len(cores))
+
+
+def profile(args: Sequence[str], cfg: FasyncConfig, ns: Any, steps: int) -> Profile:
+    """The short live runs and the engine curves (module docstring)."""
+    from lightning_fasync.engine.engine import DEFAULT_MAX_RUNNING_REQUESTS
+    from lightning_fasync.fleet.resources import available_cores, plan_cpu_resources
+
+    if cfg.rollout.backend != "embedded" or str(cfg.rollout.engine_device) != "cpu":
+        raise ConfigError(
+            f"`rollout.backend` is {cfg.rollout.backend} on {cfg.rollout.engine_device}; plan profiles the embedded "
+            "engine on CPU. For a GPU cluster, give plan a config with a `simulate:` section (its calibration), as "
+            "configs/sim/dapo_h20.yaml."
+        )
+    strategy = (ns.get("trainer") or {}).get("strategy")
+    init = getattr(strategy, "init_args", None) or {}
+    get = (lambda k: getattr(init, k, None)) if not isinstance(init, dict) else init.get
+    replicas = get("rollout_replicas") or 1
+    split = plan_cpu_resources(replicas, get("trainer_cores"), get("rollout_cores"))
+    cores = available_cores()
+    model = ns["model"]["model"]
+    calls = cfg.minibatches_per_step
+    max_running = cfg.rollout.sglang_args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+    with tempfile.TemporaryDirectory(prefix="fasync-plan-") as root:
+        col = _profile_run("colocate", args, ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"],
+                           steps, root, calls, len(cores))
+        fa = _profile_run("fully-async", args, ["--colocate=false", "--fully_async.enable=true"], steps, root, calls,
+                          len(split.trainer_cores))
+    print("plan: measuring the engine's throughput curve ...", file=sys.stderr, flush=True)
+    engine = {len(cores): _engine_curve(model, list(cores), max_running)}
+    fa_threads = len(split.replica_cores[0])
+    if fa_threads not in engine:
+        engine[fa_threads] = _engine_curve(model, list(split.replica_cores[0]), max_running)
+    return Profile(len(cores), col, fa, engine, fa_threads, max_running, replicas)
+
+
+# ------------------------------------------------------------------------------------------ predict
+
+
+def _cpu_sim(cfg: FasyncConfig, prof: Profile, colocate: bool, steps: int, seed: int) -> tuple[FasyncConfig, SimConfig]:
+    """The simulator's cluster as the live CPU run lays it out: one replica with the measured curve,
+    the trainer as measured, at this mode's thread counts (no scaling by GPU counts)."""
+    run = prof.colocate if colocate else prof.fully_async
+    curve = prof.engine[prof.cores if colocate else prof.fa_engine_threads]
+    per = max(1, next(iter(cfg.rollout.sglang_replicas.values())).num_gpus_per_replica) if cfg.rollout.sglang_replicas else 1
+    over: dict[str, Any] = {"rollout.sglang_args.max_running_requests": prof.max_running_requests,
+                            "rollout.num_gpus_per_node": per * (1 if colocate else prof.replicas),
+                            "trainer.num_nodes": 1, "trainer.num_gpus_per_node": 1}
+    kinds = list(cfg.rollout.sglang_replicas)
+    if kinds:
+        over[f"rollout.sglang_replicas.{kinds[0]}.num_nodes"] = 1
+    cfg = validate(with_overrides(cfg, over))
+    sim = SimConfig(steps=steps, seed=seed, num_prompts=4096, total_gpus=per,
+                    replica=ReplicaModel(curve.peak_tokens_per_s, curve.half_saturation),
+                    train_base_s=run.trainer.base_s, train_s_per_ktoken=run.trainer.s_per_ktoken,
+                    train_reference_gpus=per if colocate else 1, weight_sync_s=run.sync_s + run.other_s,
+                    pause_overhead_s=run.pause_s, colocate_switch_s=0.0)
+    return cfg, sim
+
+
+def _trace(groups: list[list[int]], n: int, prompts: int, seed: int) -> dict[int, list[int]]:
+    """Response lengths of ``prompts`` simulated prompts, each a profiled group drawn at random."""
+    rng = random.Random(seed)
+    usable = [g for g in groups if len(g) == n]
+    if not usable:
+        raise ValueError("The profile consumed no complete group to draw response lengths from.")
+    return {i: list(rng.choice(usable)) for i in range(prompts)}
+
+
+def read_lengths(paths: Sequence[str]) -> list[list[int]]:
+    """The ``response_lengths`` of every consumed group in ledgers (``ledger.jsonl`` of earlier runs)."""
+    groups: list[list[int]] = []
+    for path in paths:
+        with open(path) as fh:
+            for line in fh:
+                rec = json.loads(line)
+                if rec.get("kind") == "consume" and rec.get("response_lengths"):
+                    groups.append([int(x) for x in rec["response_lengths"]])
+    if not groups:
+        raise ValueError(f"{', '.join(paths)}: no consumed group with response_lengths to draw lengths from.")
+    return groups
+
+
+def predict(cfg: FasyncConfig, prof: Optional[Profile], sim: Optional[SimConfig] = None, steps: int = 100,
+            seed: int = 0, modes: Sequence[tuple[str, dict[str, Any]]] = MODES,
+            lengths: Optional[list[list[int]]] = None) -> list[dict[str, Any]]:
+    """Each mode's simulated run: ``avg_step_excl0`` and ``speedup_excl0`` over the first mode's,
+    with the mode's own calibration (``prof``) or the config's ``simulate:`` section (``sim``).
+    ``lengths``: the groups' response lengths to draw from (default: the profile's)."""
+    rows = []
+    for name, over in modes:
+        over = dict(over)
+        if name == "colocate + partial":
+            over["rollout.sampler.num_oversample"] = cfg.B // 4
+        if not over.get("colocate", False):
+            over.setdefault("colocate", False)
+            over.setdefault("fully_async.enable", True)
+        if over.get("rollout.partial") is False:  # nothing spans versions to mask
+            over["rollout.mask_offpolicy_in_partial_rollout"] = False
+        mode_cfg = validate(with_overrides(cfg, over))
+        if prof is not None:
+            mode_cfg, mode_sim = _cpu_sim(mode_cfg, prof, over.get("colocate", False), steps, seed)
+            groups = lengths if lengths is not None else prof.colocate.lengths + prof.fully_async.lengths
+            trace = _trace(groups, cfg.N, mode_sim.num_prompts, seed)
+        else:
+            assert sim is not None
+            mode_sim, trace = copy.deepcopy(sim), None
+            mode_sim.steps, mode_sim.seed, mode_sim.variants = steps, seed, []
+        rows.append(summarize(name, Simulation(mode_cfg, mode_sim, trace=trace).run()))
+    base = rows[0]
+    for r in rows:
+        r["speedup_excl0"] = base["avg_step_excl0"] / r["avg_step_excl0"]
+        r["speedup"] = base["avg_step"] / r["avg_step"]
+    return rows
+
+
+def gpu_splits(cfg: FasyncConfig, sim: SimConfig, steps: int, seed: int) -> list[dict[str, Any]]:
+    """The configured fully-async mode at every trainer : rollout GPU split of the simulated cluster
+    whose trainer is whole nodes' worth or less and whose rollout side holds whole replicas."""
+    per = max(1, next(iter(cfg.rollout.sglang_replicas.values())).num_gpus_per_replica)
+    kind = next(iter(cfg.rollout.sglang_replicas))
+    rows = []
+    for train in range(per, sim.total_gpus, per):
+        roll = sim.total_gpus - train
+        over = {"colocate": False, "fully_async.enable": True, "trainer.num_nodes": 1, "trainer.num_gpus_per_node": train,
+                "rollout.num_gpus_per_node": roll, f"rollout.sglang_replicas.{kind}.num_nodes": 1}
+        mode_cfg = validate(with_overrides(cfg, over))
+        mode_sim = copy.deepcopy(sim)
+        mode_sim.steps, mode_sim.seed, mode_sim.variants = steps, seed, []
+        rows.append(summarize(f"{train}:{roll}", Simulation(mode_cfg, mode_sim).run()))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| mode | predicted avg step, excl. step 0 (s) | predicted speedup | predicted avg step, all steps (s) | "
+             "pipeline_buf_size | partial_ratio |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        buf = "-" if r["pipeline_buf_size"] is None else f"{r['pipeline_buf_size']:.1f}"
+        lines.append(f"| {r['config']} | {r['avg_step_excl0']:.3f} | {r['speedup_excl0']:.2f}x | {r['avg_step']:.3f} | "
+                     f"{buf} | {r['partial_ratio']:.3f} |")
+    return "\n".join(lines)
+
+
+def _profile_text(prof: Profile) -> str:
+    lens = sorted(x for g in prof.colocate.lengths + prof.fully_async.lengths for x in g)
+    q = lambda p: lens[min(len(lens) - 1, int(p * len(lens)))]  # noqa: E731
+    out = [f"Profile ({prof.cores} cores):",
+           f"- response lengths over {len(lens)} trajectories: median {q(0.5)}, p90 {q(0.9)}, p99 {q(0.99)}, max {lens[-1]}"]
+    for threads, c in sorted(prof.engine.items()):
+        pts = ", ".join(f"{n}: {t:.0f}" for n, t in c.points)
+        out.append(f"- engine on {threads} core(s): tokens/s by concurrency {{{pts}}}; fit peak {c.peak_tokens_per_s:.0f} "
+                   f"tokens/s, half-saturation {c.half_saturation:.1f}")
+    for run in (prof.colocate, prof.fully_async):
+        t = run.trainer
+        out.append(f"- trainer ({run.mode}, {t.threads} thread(s)): {t.base_s:.3f} s per call + {t.s_per_ktoken:.3f} s per "
+                   f"1k response tokens; boundary: sync {run.sync_s:.3f} s, pause {run.pause_s:.3f} s, other {run.other_s:.3f} s")
+    return "\n".join(out)
+
+
+def recommendation(rows: list[dict[str, Any]], splits: Optional[list[dict[str, Any]]] = None) -> str:
+    best = min(rows, key=lambda r: r["avg_step_excl0"])
+    text = (f"Recommended: {best['config']} (predicted {best['avg_step_excl0']:.3f} s per steady-state step, "
+            f"{best['speedup_excl0']:.2f}x colocate).")
+    fa = [r for r in rows if r["config"].startswith("fully-async")]
+    if fa:
+        close = [r["config"] for r in fa if r["avg_step_excl0"] <= 1.02 * best["avg_step_excl0"] and r is not best]
+        if close:
+            text += f" Within 2 %: {', '.join(close)}; of those, the smaller stale_steps trains on fresher data."
+    if splits:
+        s = min(splits, key=lambda r: r["avg_step_excl0"])
+        text += (f" Trainer : rollout GPUs: {s['config']} (predicted {s['avg_step_excl0']:.1f} s per step at the "
+                 f"configured window and stale_steps; " + ", ".join(f"{r['config']}: {r['avg_step_excl0']:.1f} s"
+                                                              for r in splits) + ").")
+    return text
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``lightning-fasync plan --config X [--profile_steps N] [--steps S] [--out DIR] [fit overrides]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-fasync plan", allow_abbrev=False,
+        description="Profile a config briefly (or take a simulate: section's calibration), simulate every mode on it and "
+                    "recommend one. Other arguments are fit overrides, applied to the profile runs too.")
+    parser.add_argument("--config", required=True, help="a fit config (profiled), or one with a simulate: section")
+    parser.add_argument("--profile_steps", type=int, default=8, help="rollout steps of each profile run (step 0 excluded)")
+    parser.add_argument("--steps", type=int, default=None, help="simulated steps per mode (default: trainer.rollout_steps "
+                                                                 "or the simulate section's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write plan.md and plan.json here")
+    parser.add_argument("--lengths_from", nargs="+", default=None, metavar="LEDGER",
+                        help="draw the response lengths from these ledger.jsonl files (a whole earlier run: a learning "
+                             "policy's lengths change after the profile's first steps)")
+    args, overrides = parser.parse_known_args(list(argv) if argv is not None else None)
+    if not os.path.exists(args.config):
+        raise ConfigError(f"`--config` is {args.config!r}, which does not exist.")
+    if args.profile_steps < 3:
+        raise ConfigError(f"`--profile_steps` is {args.profile_steps}; the fits need at least 3 steps (step 0 is left out).")
+    t0 = time.perf_counter()
+    import yaml
+
+    with open(args.config) as fh:
+        has_sim = "simulate" in (yaml.safe_load(fh) or {})
+    splits = None
+    if has_sim:
+        from lightning_fasync.config import load_config_file
+
+        cfg, sections = load_config_file(args.config, overrides, simulate=SimConfig)
+        sim = sections["simulate"]
+        steps = args.steps or sim.steps
+        rows = predict(cfg, None, sim, steps=steps, seed=args.seed)
+        splits = gpu_splits(cfg, sim, steps, args.seed)
+        prof_text = f"Calibration: the `simulate:` section of {args.config} (no profile)."
+        prof = None
+    else:
+        from lightning_fasync.lightning.cli import parse_fit_args
+
+        fit = _fit_args(args.config, overrides)
+        cfg, ns = parse_fit_args(fit)
+        steps = args.steps or cfg.trainer.rollout_steps or 100
+        prof = profile(fit, cfg, ns, args.profile_steps + 1)
+        lengths = read_lengths(args.lengths_from) if args.lengths_from else None
+        rows = predict(cfg, prof, steps=steps, seed=args.seed, lengths=lengths)
+        prof_text = _profile_text(prof) + (f"\n- simulated response lengths drawn from {len(lengths)} groups of "
+                                           f"{', '.join(args.lengths_from)}" if lengths else "")
+    text = "\n\n".join([prof_text, _table(rows), recommendation(rows, splits),
+                        f"{steps} simulated steps per mode; {time.perf_counter() - t0:.0f} s in all."])
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "plan.md"), "w") as fh:
+            fh.write(text + "\n")
+        with open(os.path.join(args.out, "plan.json"), "w") as fh:
+            json.dump({"config": args.config, "overrides": overrides, "steps": steps, "rows": rows, "splits": splits,
+                       "profile": asdict(prof) if prof is not None else None}, fh, indent=1,
+                      default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o))
+    return 0

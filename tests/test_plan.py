@@ -1,0 +1,84 @@
+"""``lightning-fasync plan``: the fits recover what they fit, a simulate: config is planned without a
+profile, and a real profile of the main job gives a table of every mode with a recommendation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lightning_fasync.config import ConfigError
+from lightning_fasync.plan import MODES, fit_curve, fit_trainer, main, read_lengths
+from tests.helpers.paths import REPO
+
+DAPO = os.path.join(REPO, "configs", "sim", "dapo_h20.yaml")
+
+
+def test_the_engine_curve_fit_recovers_peak_and_half_saturation():
+    peak, half = 9000.0, 6.0
+    points = [(c, peak * c / (c + half)) for c in (1, 2, 4, 8, 16, 32, 64)]
+    curve = fit_curve(points, threads=1)
+    assert curve.peak_tokens_per_s == pytest.approx(peak, rel=1e-9)
+    assert curve.half_saturation == pytest.approx(half, rel=1e-9)
+
+
+def test_the_trainer_fit_recovers_its_coefficients_and_stays_non_negative():
+    calls, base, k = 4, 0.02, 0.5
+    samples = [(t, calls * base + k * t / 1000) for t in (900, 1500, 2600, 4000, 700)]
+    fit = fit_trainer(samples, calls, threads=1)
+    assert fit.base_s == pytest.approx(base, rel=1e-6) and fit.s_per_ktoken == pytest.approx(k, rel=1e-6)
+    flat = fit_trainer([(1000, 0.4), (1001, 0.6), (999, 0.5)], calls, threads=1)  # tokens do not vary: through 0
+    assert flat.base_s == 0.0 and flat.s_per_ktoken == pytest.approx(0.5, rel=1e-2)
+
+
+def test_a_simulate_config_is_planned_from_its_section_with_gpu_splits(tmp_path, capsys):
+    assert main(["--config", DAPO, "--steps", "4", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
+    assert plan["rows"][0]["speedup_excl0"] == 1.0
+    assert all(r["avg_step_excl0"] > 0 for r in plan["rows"])
+    assert [s["config"] for s in plan["splits"]] == ["4:12", "8:8", "12:4"]
+    assert "Recommended: " in text and "Trainer : rollout GPUs: " in text
+    assert (tmp_path / "plan.md").read_text().strip() == text.strip()
+
+
+def test_refusals_name_the_option(tmp_path):
+    with pytest.raises(ConfigError, match="`--config` is 'nope.yaml', which does not exist"):
+        main(["--config", "nope.yaml"])
+    with pytest.raises(ConfigError, match="`--profile_steps` is 2"):
+        main(["--config", DAPO, "--profile_steps", "2"])
+    empty = tmp_path / "ledger.jsonl"
+    empty.write_text(json.dumps({"kind": "checkpoint", "step": 0}) + "\n")
+    with pytest.raises(ValueError, match="no consumed group with response_lengths"):
+        read_lengths([str(empty)])
+
+
+@pytest.mark.slow
+def test_a_short_profile_of_the_main_job_predicts_every_mode(tmp_path):
+    """The CLI end to end on the real config: two 4-step fits and the engine curves, then the table.
+    (Its accuracy against the live tables is benchmarks/plan_accuracy.py's, not a test's.)"""
+    out = tmp_path / "plan"
+    proc = subprocess.run([sys.executable, "-m", "lightning_fasync.cli", "plan", "--config", "configs/tiny_cpu.yaml",
+                           "--profile_steps", "3", "--steps", "6", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    plan = json.loads((out / "plan.json").read_text())
+    prof = plan["profile"]
+    assert prof["cores"] >= 1 and prof["colocate"]["trainer"]["s_per_ktoken"] > 0
+    assert prof["fully_async"]["trainer"]["s_per_ktoken"] > 0
+    assert all(curve["peak_tokens_per_s"] > 0 and len(curve["points"]) >= 3 for curve in prof["engine"].values())
+    assert sum(len(g) for g in prof["colocate"]["lengths"]) == 4 * 16 * 8  # every consumed group of its 4 steps
+    assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
+    assert "Recommended: " in proc.stdout and "engine on" in proc.stdout
+    # The lengths of a finished run can replace the profile's.
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("".join(json.dumps({"kind": "consume", "step": 0, "response_lengths": [3] * 8}) + "\n"
+                              for _ in range(20)))
+    proc = subprocess.run([sys.executable, "-m", "lightning_fasync.cli", "plan", "--config", "configs/tiny_cpu.yaml",
+                           "--profile_steps", "3", "--steps", "6", "--lengths_from", str(ledger)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "drawn from 20 groups" in proc.stdout, proc.stderr[-2000:]
