@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from lightning_fasync.config import ConfigError
-from lightning_fasync.plan import MODES, fit_curve, fit_trainer, main, read_lengths
+from lightning_fasync.plan import (MODES, Profile, RunProfile, TrainerFit, fit_curve, fit_trainer, main, predict,
+                                   read_lengths)
 from tests.helpers.paths import REPO
 
 DAPO = os.path.join(REPO, "configs", "sim", "dapo_h20.yaml")
@@ -46,6 +47,31 @@ def test_a_simulate_config_is_planned_from_its_section_with_gpu_splits(tmp_path,
     assert (tmp_path / "plan.md").read_text().strip() == text.strip()
 
 
+def _profile(cfg) -> Profile:
+    """A profile as the live runs would give it, made up (the CPU layout of a 2-core machine)."""
+    run = lambda mode, threads, k: RunProfile(mode, [0.5] * 4, TrainerFit(threads, 0.01, k), 0.02, 0.005, 0.01,  # noqa: E731
+                                             [[40] * cfg.N] * 16)
+    curves = {2: fit_curve([(c, 3000 * c / (c + 4)) for c in (1, 4, 16, 64)], 2),
+              1: fit_curve([(c, 2000 * c / (c + 4)) for c in (1, 4, 16, 64)], 1)}
+    return Profile(2, run("colocate", 2, 0.1), run("fully-async", 1, 0.18), curves, 1, 64, 1)
+
+
+def test_a_profile_predicts_every_mode_and_lengths_of_another_run_replace_its_own(tmp_path):
+    from lightning_fasync.config import load_config_file
+    from lightning_fasync.simulate import SimConfig
+
+    cfg, _ = load_config_file(DAPO, simulate=SimConfig)  # any valid config: the profile's layout replaces its cluster
+    prof = _profile(cfg)
+    rows = predict(cfg, prof, steps=4)
+    assert [r["config"] for r in rows] == [name for name, _ in MODES] and rows[0]["speedup_excl0"] == 1.0
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("".join(json.dumps({"kind": "consume", "step": 0, "response_lengths": [400] * cfg.N}) + "\n"
+                              for _ in range(20)))
+    longer = predict(cfg, prof, steps=4, lengths=read_lengths([str(ledger)]))
+    # Ten times the tokens: every mode's step is longer.
+    assert all(b["avg_step_excl0"] > 2 * a["avg_step_excl0"] for a, b in zip(rows, longer))
+
+
 def test_refusals_name_the_option(tmp_path):
     with pytest.raises(ConfigError, match="`--config` is 'nope.yaml', which does not exist"):
         main(["--config", "nope.yaml"])
@@ -74,11 +100,3 @@ def test_a_short_profile_of_the_main_job_predicts_every_mode(tmp_path):
     assert sum(len(g) for g in prof["colocate"]["lengths"]) == 4 * 16 * 8  # every consumed group of its 4 steps
     assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
     assert "Recommended: " in proc.stdout and "engine on" in proc.stdout
-    # The lengths of a finished run can replace the profile's.
-    ledger = tmp_path / "ledger.jsonl"
-    ledger.write_text("".join(json.dumps({"kind": "consume", "step": 0, "response_lengths": [3] * 8}) + "\n"
-                              for _ in range(20)))
-    proc = subprocess.run([sys.executable, "-m", "lightning_fasync.cli", "plan", "--config", "configs/tiny_cpu.yaml",
-                           "--profile_steps", "3", "--steps", "6", "--lengths_from", str(ledger)],
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "drawn from 20 groups" in proc.stdout, proc.stderr[-2000:]
