@@ -40,6 +40,8 @@ __all__ = [
     "AlgorithmConfig",
     "LORA_SYNC_MODES",
     "LoRAConfig",
+    "PLACEMENTS",
+    "RayConfig",
     "EvalSamplingConfig",
     "EvalConfig",
     "EVAL_SOURCE_NAME",
@@ -372,6 +374,38 @@ class EngineRestartConfig:
                 raise ConfigError(f"`rollout.engine_restart.{key}` is {getattr(self, key)}; it must be > 0 seconds.")
 
 
+PLACEMENTS = ("local", "ray")
+"""The values of ``rollout.placement`` (docs/multinode.md)."""
+
+
+@dataclass
+class RayConfig:
+    """``rollout.ray.*``: engine replicas placed on a Ray cluster's nodes (``rollout.placement: ray``,
+    docs/multinode.md). The replicas' servers then bind their node's address and require the API key
+    in ``$FASYNC_ENGINE_API_KEY`` on every route."""
+
+    address: str = "auto"
+    """The cluster to join, as ``ray.init`` takes it: ``auto`` (the cluster this node joined with
+    ``ray start``), the head's ``HOST:PORT``, or ``ray://HOST:10001``."""
+    replica_resources: dict[str, float] = field(default_factory=dict)
+    """Ray resources each replica needs besides its CPUs, e.g. ``{"rollout_node": 1}`` when the
+    rollout nodes were started with ``ray start --resources='{"rollout_node": 8}'``: replicas then go
+    there only, never to the trainer's node."""
+    namespace: str = "lightning-fasync"
+    """The Ray namespace of the replicas' actors."""
+    timeout_s: float = 120.0
+    """Seconds a call to a replica's actor (placing it, starting or stopping its server, its log) may
+    take before it is an error."""
+
+    def check(self) -> None:
+        """Refuse a ``rollout.ray.*`` value out of range."""
+        if not self.timeout_s > 0:
+            raise ConfigError(f"`rollout.ray.timeout_s` is {self.timeout_s}; it must be > 0 seconds.")
+        bad = {k: v for k, v in self.replica_resources.items() if not (isinstance(v, (int, float)) and v > 0)}
+        if bad:
+            raise ConfigError(f"`rollout.ray.replica_resources` is {self.replica_resources}; every amount must be > 0.")
+
+
 WEIGHT_UPDATE_MODES = ("wait", "abort", "inflight")
 """``rollout.weight_update_mode``'s values (docs/weight_sync.md, "In-flight updates")."""
 
@@ -462,10 +496,15 @@ class RolloutConfig:
     pauses and aborts go to each."""
     router_url: Optional[str] = None
     """``rollout.backend: external`` only: the sglang-router in front of ``engine_urls``, where
-    generation requests go; None: the first engine URL."""
+    generation requests go; None: the client sends each to the least busy of ``engine_urls``."""
     engine_startup_timeout: float = 180.0
     """Seconds each engine server (or external URL) has to answer ``/health`` at start; past it the run
     stops with the server's log tail."""
+    placement: str = "local"
+    """Where the engine replicas run: ``local`` (this host) or ``ray`` (other nodes of a Ray cluster,
+    ``rollout.ray.*``; ``rollout.backend: embedded`` only; docs/multinode.md)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """``rollout.placement: ray`` only: the cluster and where on it the replicas go."""
     engine_device: str = "cpu"
     """``rollout.backend: embedded`` only: the engine replicas' torch device, ``cpu`` or ``cuda`` /
     ``cuda:N``. On a GPU the replicas may share the trainer's device (two processes on one GPU, as the
@@ -500,6 +539,22 @@ class RolloutConfig:
                 f"`rollout.inflight_kv` is {self.inflight_kv} while `rollout.weight_update_mode` is {mode or 'null'}; "
                 "it applies to in-flight updates only: set weight_update_mode: inflight or leave it at keep."
             )
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"`rollout.placement` is {self.placement!r}; it must be one of {', '.join(PLACEMENTS)}.")
+        self.ray.check()
+        if self.placement == "ray":
+            if self.backend not in ("embedded", "sglang"):
+                raise ConfigError(
+                    f"`rollout.placement` is ray while `rollout.backend` is {self.backend}; Ray places the embedded "
+                    "engine's and SGLang's servers: start vllm servers on other nodes yourself and list them under "
+                    "rollout.backend: external."
+                )
+            if self.weight_sync in ("tensor", "adapter"):
+                raise ConfigError(
+                    f"`rollout.weight_sync` is {self.weight_sync} while `rollout.placement` is ray; {self.weight_sync} "
+                    "passes weights through this host's memory or files, which replicas on other nodes cannot read: "
+                    "use distributed (the auto choice here) or disk on a path every node shares."
+                )
         if self.deterministic_inference and self.backend not in ("embedded", "sglang"):
             raise ConfigError(
                 f"`rollout.deterministic_inference` is true while `rollout.backend` is {self.backend}; it starts the "

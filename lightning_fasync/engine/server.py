@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -34,10 +36,22 @@ LORA_DIR_ENV = "FASYNC_ENGINE_LORA_DIR"
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 @web.middleware
 async def _errors_and_auth(request: web.Request, handler: Any) -> web.StreamResponse:
-    key = request.app[STATE_KEY]["api_key"]
-    if key and request.path not in OPEN_PATHS and request.headers.get("Authorization") != f"Bearer {key}":
+    state = request.app[STATE_KEY]
+    key = state["api_key"]
+    if key and request.path not in state["open_paths"] and not hmac.compare_digest(
+            request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
         return error_response(401, "Missing or wrong API key (expected 'Authorization: Bearer <key>').")
     try:
         return await handler(request)
@@ -522,6 +536,7 @@ def build_app(
     startup_time: Optional[dict[str, Any]] = None,
     enable_lora: bool = True,
     lora_dir: Optional[str] = None,
+    open_paths: tuple[str, ...] = OPEN_PATHS,
 ) -> web.Application:
     """The aiohttp application serving ``engine`` with SGLang's native and OpenAI-compatible routes.
 
@@ -534,13 +549,15 @@ def build_app(
         enable_lora: Serve ``/load_lora_adapter`` and ``/unload_lora_adapter``; False refuses them, as
             SGLang does without ``--enable-lora`` (``lightning_fasync/engine/lora.py``).
         lora_dir: The directory adapters load from (None: a private one made now, removed at exit).
+        open_paths: Routes served without the API key (health and metrics, for probes on this host);
+            ``()``: the key on every route, as for a server bound to an address others can reach.
     """
     from lightning_fasync.engine import lora, metrics, openai_api, weight_endpoints
 
     app = web.Application(middlewares=[_errors_and_auth], client_max_size=64 * 1024**2)
     app[ENGINE_KEY] = engine
     app[STATE_KEY] = {
-        "tokenizer": tokenizer, "model_path": model_path, "api_key": api_key,
+        "tokenizer": tokenizer, "model_path": model_path, "api_key": api_key, "open_paths": open_paths,
         "served_model_name": served_model_name or model_path,
         "require_weight_update_session": require_weight_update_session, "weight_update_session": None,
         "weights_lock": asyncio.Lock(),  # weight updates vs. /weights_checker
@@ -590,7 +607,7 @@ def parse_args(argv: Optional[list[str]] = None) -> Namespace:
                                    f"only from ${LORA_DIR_ENV} (default: a private directory made at start).")
     p.add_argument("--model", required=True, help="Local Hugging Face model directory or a preset (tiny, qwen3-30m-shape, qwen3-0.6b-shape).")
     p.add_argument("--port", type=int, default=30000, help="Port to listen on (default 30000, as SGLang's).")
-    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1).")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind (default 127.0.0.1). Any other address needs an API key, then required on every route, /health included.")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads.")
     p.add_argument("--max-running-requests", type=int, default=None, help="Requests decoded together at most.")
     p.add_argument("--context-length", type=int, default=None, help="Prompt + response tokens per request.")
@@ -665,6 +682,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Serve one replica until SIGTERM/SIGINT or the parent's death. Returns the exit status."""
     started = time.perf_counter()
     args = parse_args(argv)
+    if not is_loopback(args.host) and not args.api_key:
+        print(f"lightning-fasync serve: `--host` is {args.host}, which others can reach: set an API key "
+              "($FASYNC_ENGINE_API_KEY or --api-key), required then on every route.", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_DropHttp2Probe())
     if args.cpu_cores:
@@ -697,7 +718,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     app = build_app(engine, tokenizer, args.model, args.api_key, served_model_name=args.served_model_name,
                     require_weight_update_session=args.require_weight_update_session,
                     enable_metrics=args.enable_metrics, startup_time=startup_time,
-                    lora_dir=os.environ.get(LORA_DIR_ENV) or None)
+                    lora_dir=os.environ.get(LORA_DIR_ENV) or None,
+                    open_paths=OPEN_PATHS if is_loopback(args.host) else ())
     app[STATE_KEY].update(host=args.host, port=args.port)
 
     async def on_startup(app: web.Application) -> None:

@@ -225,6 +225,11 @@ def check_sglang_backend(cfg: FasyncConfig, engine_model: Optional[str], num_cpu
             ConfigWarning,
             stacklevel=2,
         )
+    if cfg.rollout.placement == "ray":  # Ray gives each replica its GPUs on a rollout node
+        from lightning_fasync.fleet.resources import GPUReplica
+
+        return [GPUReplica(kind, i, [], []) for kind, spec in cfg.rollout.sglang_replicas.items()
+                for i in range(spec.num_nodes * cfg.rollout.num_gpus_per_node // spec.num_gpus_per_replica)]
     replicas = plan_rollout_gpus(cfg)
     if not fake:
         import torch
@@ -365,8 +370,13 @@ class SGLangPool(_UnsupervisedPool):
 
     def __init__(self, model: str, replicas: Sequence[Any], args: SGLangArgs, context_length: Optional[int] = None,
                  log_dir: Optional[str] = None, startup_timeout: float = 180.0, router_policy: str = "round_robin",
-                 server_args: Sequence[str] = ()) -> None:
+                 server_args: Sequence[str] = (), placement: Any = None,
+                 gpus_per_replica: Optional[dict[str, int]] = None) -> None:
         super().__init__()
+        self.placement = placement
+        self.gpus_per_replica = gpus_per_replica or {}
+        if placement is not None:
+            self.api_key = placement.api_key
         self.model = model
         self.replicas = list(replicas)
         self.args = args
@@ -383,11 +393,20 @@ class SGLangPool(_UnsupervisedPool):
     def _launch(self, index: int, replica: Any) -> Any:
         from lightning_fasync.fleet.launch import free_port, spawn_watched
 
+        fake = os.environ.get(FAKE_SGLANG_ENV)
+        if self.placement is not None:  # on a rollout node: Ray gives the actor its GPUs, the server inherits them
+            tp = self.gpus_per_replica[replica.kind]
+            server = sglang_server_command(self.model, self.args, "{port}", tp_size=tp, nccl_port="{nccl_port}",
+                                           context_length=self.context_length, host="{host}") + self.server_args
+            command = [sys.executable, "-m", "lightning_fasync.fleet.watchdog", "--parent-pid", "{parent_pid}", "--",
+                       *server, "--api-key", self.api_key]
+            env = {"PYTHONPATH": os.pathsep.join([fake, *filter(None, [os.environ.get("PYTHONPATH")])])} if fake else {}
+            return self.placement.launch(index, command, self.args.port + index if self.args.port else None, cpus=1,
+                                         gpus=tp, env=env)
         port = self.args.port + index if self.args.port else free_port()
         server = sglang_server_command(self.model, self.args, port, tp_size=len(replica.gpus), nccl_port=free_port(),
                                        context_length=self.context_length) + self.server_args
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(replica.gpus))
-        fake = os.environ.get(FAKE_SGLANG_ENV)
         if fake:
             env["PYTHONPATH"] = os.pathsep.join([fake, *filter(None, [env.get("PYTHONPATH")])])
         return spawn_watched(server, replica.name, env, os.path.join(self.log_dir, f"{replica.name}.log"),
@@ -399,13 +418,16 @@ class SGLangPool(_UnsupervisedPool):
 
         os.makedirs(self.log_dir, exist_ok=True)
         try:
+            if self.placement is not None:
+                tps = [self.gpus_per_replica[r.kind] for r in self.replicas]
+                self.placement.check_fits(len(self.replicas), 1, max(tps))
             for i, replica in enumerate(self.replicas):
                 self.servers.append(self._launch(i, replica))
             for handle in self.servers:  # they start together: each wait mostly overlaps the others'
-                handle.wait_healthy(self.startup_timeout, timeout_key="rollout.engine_startup_timeout")
+                handle.wait_healthy(self.startup_timeout, self.api_key, timeout_key="rollout.engine_startup_timeout")
             self.worker_urls = [h.url for h in self.servers]
-            if len(self.servers) > 1:
-                self.router = launch_router(self.worker_urls, policy=self.router_policy,
+            if len(self.servers) > 1 and self.placement is None:  # remote ones: the client routes (RolloutPool.start)
+                self.router = launch_router(self.worker_urls, policy=self.router_policy, api_key=self.api_key,
                                             log_path=os.path.join(self.log_dir, "router.log"))
                 self.router_url = self.router.url
         except BaseException:
@@ -425,10 +447,18 @@ class SGLangPool(_UnsupervisedPool):
                 handle.stop()
             except Exception as exc:  # keep stopping the others, then report
                 errors.append(f"{handle}: {exc!r}")
+            if self.placement is None or handle is self.router:  # a remote one's group is its actor's to kill
+                try:
+                    os.killpg(handle.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            else:
+                handle.kill_tree()
+        if self.placement is not None:
             try:
-                os.killpg(handle.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+                self.placement.close()
+            except Exception as exc:  # noqa: BLE001 - reported with the others
+                errors.append(f"the Ray placement: {exc!r}")
         if errors:
             raise RuntimeError("Some sglang processes did not stop: " + "; ".join(errors))
 
@@ -470,11 +500,13 @@ def check_sglang_config(cfg: FasyncConfig) -> None:
         raise ConfigError(f"`rollout.num_gpus_per_node` is {ro.num_gpus_per_node}; it must be a positive integer.")
     for kind, rep in ro.sglang_replicas.items():
         key = f"rollout.sglang_replicas.{kind}"
-        if rep.num_nodes != 1:
+        if rep.num_nodes != 1 and ro.placement == "local":
             raise ConfigError(
-                f"`{key}.num_nodes` is {rep.num_nodes} while `rollout.backend` is sglang; the plugin launches servers "
-                "on this host only (1), launch them on other nodes yourself and use rollout.backend: external."
+                f"`{key}.num_nodes` is {rep.num_nodes} while `rollout.placement` is local; servers on other nodes need "
+                "rollout.placement: ray (docs/multinode.md), or launch them yourself and use rollout.backend: external."
             )
+        if rep.num_nodes < 1:
+            raise ConfigError(f"`{key}.num_nodes` is {rep.num_nodes}; it must be >= 1.")
         if rep.num_gpus_per_replica <= 0 or ro.num_gpus_per_node % rep.num_gpus_per_replica:
             raise ConfigError(
                 f"`{key}.num_gpus_per_replica` is {rep.num_gpus_per_replica}; it must be a positive divisor of "
@@ -496,6 +528,7 @@ def check_sglang_config(cfg: FasyncConfig) -> None:
             f"{replicas} servers) or null (free ports)."
         )
     check_extra(sa.extra)
+    check_ray_placement(cfg)
 
 
 def _start_embedded(start: EngineStart) -> Any:
@@ -509,15 +542,21 @@ def _start_embedded(start: EngineStart) -> Any:
             "local Hugging Face directory) or set the module's engine_model."
         )
     plan = start.plan
+    placement = None
+    if start.cfg.rollout.placement == "ray":
+        from lightning_fasync.fleet.ray_placement import RayPlacement
+
+        placement = RayPlacement(start.cfg, start.log_dir)
     return RolloutPool(
         start.engine_model,
         num_replicas=plan.num_replicas,
         threads_per_replica=start.engine_threads or max(1, len(plan.replica_cores[0])),
         max_running_requests=start.cfg.rollout.sglang_args.max_running_requests,
-        cpu_cores=plan.replica_cores,
+        cpu_cores=plan.replica_cores if placement is None else None,
         context_length=start.context_length,
         startup_timeout=start.startup_timeout,
         server_args=list(start.server_args) + device_args(start.cfg.rollout.engine_device),
+        placement=placement,
     ).start()
 
 
@@ -526,8 +565,22 @@ def device_args(device: str) -> list[str]:
     return [] if device == "cpu" else ["--device", device]
 
 
+def check_ray_placement(cfg: FasyncConfig) -> None:
+    """Refuse ``rollout.placement: ray`` without Ray or without the API key its replicas' servers need."""
+    if cfg.rollout.placement != "ray":
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("`rollout.placement` is ray, but Ray is not installed here: pip install "
+                          "'lightning-fasync[ray]' (docs/multinode.md).")
+    if not os.environ.get("FASYNC_ENGINE_API_KEY"):
+        raise ConfigError("`rollout.placement` is ray, whose engine servers bind addresses other nodes reach: set "
+                          "$FASYNC_ENGINE_API_KEY (required then on every route of every replica).")
+
+
 def check_embedded_config(cfg: FasyncConfig) -> None:
-    """Refuse ``rollout.engine_device`` on a GPU this process cannot see."""
+    """Refuse ``rollout.engine_device`` on a GPU this process cannot see, and what
+    :func:`check_ray_placement` refuses."""
+    check_ray_placement(cfg)
     device = cfg.rollout.engine_device
     if device.startswith("cuda"):
         import torch
@@ -546,9 +599,16 @@ def _start_sglang(start: EngineStart) -> "SGLangPool":
     # In-flight updates keeping the KV cache: the update cannot flush SGLang's radix cache while the
     # frozen requests hold it, so no prefix the old weights computed may be reused by a new request.
     radix = ["--disable-radix-cache"] if ro.boundary_mode == "inflight" and ro.inflight_kv == "keep" else []
+    placement = None
+    if ro.placement == "ray":
+        from lightning_fasync.fleet.ray_placement import RayPlacement
+
+        placement = RayPlacement(start.cfg, start.log_dir)
     return SGLangPool(start.engine_model, start.prepared, ro.sglang_args,
                       context_length=start.context_length, log_dir=start.log_dir,
-                      startup_timeout=start.startup_timeout, server_args=[*start.server_args, *radix]).start()
+                      startup_timeout=start.startup_timeout, server_args=[*start.server_args, *radix],
+                      placement=placement,
+                      gpus_per_replica={k: v.num_gpus_per_replica for k, v in ro.sglang_replicas.items()}).start()
 
 
 def _start_external(start: EngineStart) -> "ExternalEngines":
@@ -564,12 +624,15 @@ def _start_external(start: EngineStart) -> "ExternalEngines":
 
 EMBEDDED = EngineBackend(
     name="embedded", start=_start_embedded, check_config=check_embedded_config, supervised=True,
-    describe=lambda cfg, plan: (f"{plan.num_replicas} embedded engine replica(s) on cores {plan.replica_cores}"
+    describe=lambda cfg, plan: ((f"{plan.num_replicas} embedded engine replica(s) on cores {plan.replica_cores}"
+                                 if cfg.rollout.placement == "local" else
+                                 f"{plan.num_replicas} embedded engine replica(s) placed by Ray ({cfg.rollout.ray.address})")
                                 + ("" if cfg.rollout.engine_device == "cpu" else f", generating on {cfg.rollout.engine_device}")),
 )
 SGLANG = EngineBackend(
     name="sglang", start=_start_sglang, check_config=check_sglang_config, prepare=check_sglang_backend,
-    describe=lambda cfg, plan: "engines of rollout.backend `sglang`",
+    describe=lambda cfg, plan: "engines of rollout.backend `sglang`" + (
+        f", placed by Ray ({cfg.rollout.ray.address})" if cfg.rollout.placement == "ray" else ""),
 )
 EXTERNAL = EngineBackend(
     name="external", start=_start_external, check_config=check_external_config,

@@ -145,8 +145,9 @@ class SGLangClient(EngineClient):
 
     Args:
         worker_urls: Every engine replica (admin calls go to all of them).
-        router_url: The sglang-router in front of them; ``/generate`` goes there. None: the first
-            worker serves ``/generate`` (one replica).
+        router_url: The sglang-router in front of them; ``/generate`` goes there. None: this client
+            routes each ``/generate`` to the least busy serving worker itself (the client-side
+            balancing verl's and TRL's clients do; one worker: that one).
         api_key: Sent as ``Authorization: Bearer``.
         max_connections: Concurrent HTTP connections.
         retries: Retries of a call after connection errors (and 502/503/504).
@@ -182,6 +183,8 @@ class SGLangClient(EngineClient):
         self.supervised = workers is not None
         self.workers = workers if workers is not None else WorkerSet([u.rstrip("/") for u in worker_urls])
         self.generate_url = (router_url or worker_urls[0]).rstrip("/")
+        self.routed = router_url is not None
+        self._busy: dict[str, int] = {}  # worker URL -> generation requests this client has there
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.max_connections = max_connections
         self.retries = retries
@@ -202,7 +205,7 @@ class SGLangClient(EngineClient):
         """A client of the same servers with connections of its own, for another event loop (an
         aiohttp session belongs to the loop that opened it); the serving set stays shared."""
         other = copy.copy(self)
-        other._session = None
+        other._session, other._busy = None, {}
         return other
 
     async def _http(self) -> aiohttp.ClientSession:
@@ -377,13 +380,20 @@ class SGLangClient(EngineClient):
     """Where a generation request goes on ``_generate_url()``."""
 
     def _generate_url(self) -> str:
-        """The server (or router) the next generation request goes to."""
-        return self.generate_url
+        """The router, or the least busy serving worker: where the next generation request goes."""
+        if self.routed:
+            return self.generate_url
+        live = self.worker_urls or [self.generate_url]
+        return min(live, key=lambda u: self._busy.get(u, 0))
 
     async def _post_generate(self, url: str, request: GenerateRequest, body: dict) -> Any:
-        """One generation call to ``url``."""
-        return await self._request("POST", url + self.generate_path, body, timeout=self.generate_timeout_s,
-                                   timeout_key="rollout.request_timeout")
+        """One generation call to ``url``, counted while it runs (:meth:`_generate_url`)."""
+        self._busy[url] = self._busy.get(url, 0) + 1
+        try:
+            return await self._request("POST", url + self.generate_path, body, timeout=self.generate_timeout_s,
+                                       timeout_key="rollout.request_timeout")
+        finally:
+            self._busy[url] -= 1
 
     async def _set_changed(self, before: list[str], wait_s: float = 2.0) -> bool:
         """True once the serving set differs from ``before`` (a replica lost), within ``wait_s``."""

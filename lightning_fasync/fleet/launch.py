@@ -85,6 +85,10 @@ class ServerHandle:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def exit_status(self) -> Optional[int]:
+        """The child's exit status (None while it runs)."""
+        return self.process.poll()
+
     def log_tail(self, n_chars: int = 3000) -> str:
         """The last characters of the child's output."""
         try:
@@ -111,7 +115,7 @@ class ServerHandle:
                 raise ServerStartError(f"{self.name} (pid {self.pid}): stopped while starting.")
             if not self.alive():
                 raise ServerStartError(
-                    f"{self.name} (pid {self.pid}) exited with status {self.process.returncode} before it was "
+                    f"{self.name} (pid {self.pid}) exited with status {self.exit_status()} before it was "
                     f"healthy. Output tail (full log: {self.log_path}):\n{self.log_tail()}"
                 )
             try:
@@ -230,28 +234,51 @@ def launch_server(
         ServerStartError: The child exited or stayed unhealthy; the message has its output tail.
     """
     port = port or free_port(host)
-    cmd = [sys.executable, "-m", "lightning_fasync.engine.server", "--model", model, "--port", str(port),
-           "--host", host, "--threads", str(threads), "--parent-pid", str(os.getpid())]
-    if max_running_requests is not None:
-        cmd += ["--max-running-requests", str(max_running_requests)]
-    if context_length is not None:
-        cmd += ["--context-length", str(context_length)]
-    if cpu_cores:
-        cmd += ["--cpu-cores", ",".join(str(c) for c in cpu_cores)]
-    env = dict(os.environ)
+    cmd = server_args(model, threads, max_running_requests, cpu_cores, context_length, extra_args)
+    cmd += ["--port", str(port), "--host", host, "--parent-pid", str(os.getpid())]
+    env = server_env(threads)
     if api_key:
         env["FASYNC_ENGINE_API_KEY"] = api_key  # not on the command line, where `ps` shows it
-    # Keep OpenMP from spinning more threads than asked for.
-    env.setdefault("OMP_NUM_THREADS", str(threads))
-    # Idle OpenMP workers sleep instead of spinning: an engine waiting between steps (colocate's
-    # training phase, a paused pipeline) must not steal the cores it shares with the trainer.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    cmd += list(extra_args)
-    proc, log_path = _spawn(cmd, f"engine-{port}", env)
+    proc, log_path = spawn_command([*SERVE, *cmd], f"engine-{port}", {**os.environ, **env})
     handle = ServerHandle(proc, f"http://{host}:{port}", log_path, f"engine@{port}")
     if wait:
         handle.wait_healthy(timeout, api_key)
     return handle
+
+
+def server_args(model: str, threads: int = 1, max_running_requests: Optional[int] = None,
+                cpu_cores: Optional[Sequence[int]] = None, context_length: Optional[int] = None,
+                extra_args: Sequence[str] = ()) -> list[str]:
+    """``lightning-fasync serve``'s arguments for one replica, less where it listens (``--host``,
+    ``--port``) and who it outlives (``--parent-pid``), which the launcher on its node adds."""
+    cmd = ["--model", model, "--threads", str(threads)]
+    if max_running_requests is not None:
+        cmd += ["--max-running-requests", str(max_running_requests)]
+    if context_length is not None:
+        cmd += ["--context-length", str(context_length)]
+    if cpu_cores is not None:
+        cmd += ["--cpu-cores", ",".join(str(c) for c in cpu_cores)]
+    return cmd + list(extra_args)
+
+
+def server_env(threads: int) -> dict[str, str]:
+    """The environment a replica adds to its launcher's: its OpenMP threads."""
+    env = {}
+    # Keep OpenMP from spinning more threads than asked for.
+    env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", str(threads))
+    # Idle OpenMP workers sleep instead of spinning: an engine waiting between steps (colocate's
+    # training phase, a paused pipeline) must not steal the cores it shares with the trainer.
+    env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+SERVE = [sys.executable, "-m", "lightning_fasync.engine.server"]
+"""``lightning-fasync serve`` as this interpreter runs it."""
+
+
+def spawn_command(argv: Sequence[str], name: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """Start ``argv`` in a session of its own, its output in a temporary log; returns (process, log path)."""
+    return _spawn(list(argv), name, env)
 
 
 def launch_router(

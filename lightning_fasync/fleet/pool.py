@@ -19,7 +19,8 @@ from urllib.parse import urlparse
 
 from lightning_fasync.pipeline.engine_client import EngineError
 from lightning_fasync.fleet.client import SGLangClient
-from lightning_fasync.fleet.launch import STARTUP_TIMEOUT_S, ServerHandle, launch_router, launch_server
+from lightning_fasync.fleet.launch import (SERVE, STARTUP_TIMEOUT_S, ServerHandle, launch_router, launch_server,
+                                         server_args, server_env)
 from lightning_fasync.fleet.supervisor import EngineSupervisor
 from lightning_fasync.fleet.workers import WorkerSet
 from lightning_fasync.weights.sync import KeptWeights, push_kept
@@ -42,6 +43,9 @@ class RolloutPool:
         router_policy: sglang-router policy.
         startup_timeout: Seconds each replica has to become healthy.
         server_args: More server flags for every replica (e.g. ``--enable-memory-saver``).
+        placement: Where the replicas run: None, this host (each a child process, pinned to
+            ``cpu_cores``); or a :class:`~lightning_fasync.fleet.ray_placement.RayPlacement`, other
+            nodes of a Ray cluster (``rollout.placement: ray``; its API key guards every replica).
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class RolloutPool:
         router_policy: str = "round_robin",
         startup_timeout: float = STARTUP_TIMEOUT_S,
         server_args: Sequence[str] = (),
+        placement: Any = None,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}.")
@@ -71,6 +76,9 @@ class RolloutPool:
         self.router_policy = router_policy
         self.startup_timeout = startup_timeout
         self.server_args = list(server_args)
+        self.placement = placement
+        if placement is not None:
+            self.api_key = placement.api_key
         # Memory tags the replicas hold released now (colocate offload); a restarted replica joins so.
         self.released_tags: set[str] = set()
         self.servers: list[ServerHandle] = []
@@ -85,17 +93,15 @@ class RolloutPool:
     def start(self) -> "RolloutPool":
         """Start the replicas in parallel, wait for them, then the router. Stops everything on failure."""
         try:
+            if self.placement is not None:
+                self.placement.check_fits(self.num_replicas, self.threads_per_replica, 0)
             for i in range(self.num_replicas):
-                self.servers.append(
-                    launch_server(
-                        self.model, threads=self.threads_per_replica, max_running_requests=self.max_running_requests,
-                        api_key=self.api_key, cpu_cores=self.cpu_cores[i] if self.cpu_cores else None,
-                        context_length=self.context_length, extra_args=self.server_args, wait=False,
-                    )
-                )
+                self.servers.append(self._relaunch(i, None))
             for server in self.servers:
                 server.wait_healthy(self.startup_timeout, self.api_key)
-            if self.num_replicas > 1:
+            # Replicas on other nodes require the API key on /health too, which sglang-router's probes do
+            # not send: there the client routes each request to the least busy replica itself.
+            if self.num_replicas > 1 and self.placement is None:
                 self.router = launch_router(self.worker_urls, policy=self.router_policy, api_key=self.api_key)
             self.workers = WorkerSet(self.worker_urls, router=self.router is not None)
         except BaseException:
@@ -189,7 +195,13 @@ class RolloutPool:
             raise
 
     def _relaunch(self, index: int, port: Optional[int]) -> ServerHandle:
-        """Replica ``index``'s server started again on ``port``, not yet waited for."""
+        """Replica ``index``'s server started (again) on ``port`` (None: a free one), not yet waited for."""
+        if self.placement is not None:
+            args = server_args(self.model, self.threads_per_replica, self.max_running_requests, None,
+                               self.context_length, self.server_args)
+            command = [*SERVE, *args, "--host", "{host}", "--port", "{port}", "--parent-pid", "{parent_pid}"]
+            return self.placement.launch(index, command, port, cpus=self.threads_per_replica, gpus=0,
+                                         env=server_env(self.threads_per_replica))
         return launch_server(
             self.model, port=port, threads=self.threads_per_replica, max_running_requests=self.max_running_requests,
             api_key=self.api_key, cpu_cores=self.cpu_cores[index] if self.cpu_cores else None,
@@ -205,7 +217,9 @@ class RolloutPool:
         try:
             expected, version = self.expected_checksums()
             if self.weights is not None:
-                await push_kept(self.weights, client, timeout_s=JOIN_TIMEOUT_S)
+                # A replica on another node shares no memory with this process: over the network.
+                await push_kept(self.weights, client, timeout_s=JOIN_TIMEOUT_S,
+                                path="distributed" if self.placement is not None else None)
             (reported,) = await client.weight_checksums()
             diffs = compare(expected, reported)
             if diffs:
@@ -298,6 +312,11 @@ class RolloutPool:
         if self.weights is not None:
             self.weights.release()
             self.weights = None
+        if self.placement is not None:
+            try:
+                self.placement.close()
+            except Exception as exc:  # noqa: BLE001 - reported with the others
+                errors.append(f"the Ray placement: {exc!r}")
         if errors:
             raise RuntimeError("Some rollout processes did not stop: " + "; ".join(errors))
 

@@ -37,16 +37,21 @@ def plan_cpu_resources(
     trainer_cores: Optional[Sequence[int]] = None,
     rollout_cores: Optional[Sequence[int]] = None,
     colocate: bool = False,
+    remote: bool = False,
 ) -> ResourcePlan:
     """Split the process's cores between the trainer and ``num_replicas`` engines.
 
     Default split: the trainer gets the first half (at least one core), the engines share the rest
-    evenly. With ``colocate`` every party may use every core (they take turns).
+    evenly. With ``colocate`` every party may use every core (they take turns). With ``remote`` the
+    engines run on other nodes (``rollout.placement: ray``): the trainer gets every core (or
+    ``trainer_cores``), the replicas none here.
 
     Raises:
         ValueError: when the cores cannot give every replica at least one core of its own.
     """
     cores = available_cores()
+    if remote:
+        return ResourcePlan(trainer_cores=list(trainer_cores or cores), replica_cores=[[] for _ in range(num_replicas)])
     if colocate:
         return ResourcePlan(trainer_cores=list(cores), replica_cores=[list(cores) for _ in range(num_replicas)])
     if trainer_cores is None:

@@ -143,7 +143,7 @@ class EngineSupervisor:
                 continue
             handle = pool.servers[rec.index]
             if not handle.alive():
-                self._lose(rec, f"its process exited with status {handle.process.returncode}")
+                self._lose(rec, f"its process exited with status {handle.exit_status()}")
             elif probe and self.hang_timeout_s > 0:
                 if _healthy(handle.url, pool.api_key, timeout=min(5.0, self.hang_timeout_s)):
                     rec.unhealthy_since = None

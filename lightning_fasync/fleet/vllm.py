@@ -102,17 +102,12 @@ class VLLMClient(SGLangClient):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._busy: dict[str, int] = {}
         self._where: dict[str, str] = {}  # rid -> the server it went to
 
     def clone(self) -> "VLLMClient":
         other = super().clone()
-        other._busy, other._where = {}, {}
+        other._where = {}
         return other
-
-    def _generate_url(self) -> str:
-        live = self.worker_urls or [self.generate_url]
-        return min(live, key=lambda u: self._busy.get(u, 0))
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         sp = request.sampling_params
@@ -135,12 +130,10 @@ class VLLMClient(SGLangClient):
         return parse_vllm_response(request.rid, data)
 
     async def _post_generate(self, url: str, request: GenerateRequest, body: dict) -> Any:
-        self._busy[url] = self._busy.get(url, 0) + 1
         self._where[request.rid] = url
         try:
             return await super()._post_generate(url, request, body)
         finally:
-            self._busy[url] -= 1
             self._where.pop(request.rid, None)
 
     async def abort(self, rid: str) -> None:

@@ -207,12 +207,13 @@ class FullyAsyncCallback(DriverHooks, ModelCheckpoint):
         # Colocate time-shares every core between the phases; fully-async splits them.
         colocate = not cfg.fully_async.enable
         strategy = trainer.strategy
+        remote = {"remote": True} if cfg.rollout.placement != "local" else {}  # the replicas run on other nodes
         if hasattr(strategy, "resource_plan"):  # FullyAsyncStrategy, or a user's own
-            plan = strategy.resource_plan(colocate=colocate)
+            plan = strategy.resource_plan(colocate=colocate, **remote)
             # FullyAsyncStrategy(weight_sync=...) overrides rollout.weight_sync; None keeps it.
             engine_threads, weight_sync = strategy.engine_threads, getattr(strategy, "weight_sync", None)
         else:
-            plan, engine_threads, weight_sync = plan_cpu_resources(1, colocate=colocate), None, None
+            plan, engine_threads, weight_sync = plan_cpu_resources(1, colocate=colocate, **remote), None, None
         self.log_dir = self.log_dir or trainer.log_dir or trainer.default_root_dir
         self._files = CheckpointFiles(os.path.join(self.log_dir, "checkpoints"), cfg.trainer.save_keep_last)
         self._rank, self._world = trainer.global_rank, trainer.world_size

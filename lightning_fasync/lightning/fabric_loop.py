@@ -211,7 +211,7 @@ class FullyAsyncFabricLoop(DriverHooks):
             calls = iter(range(1 << 62))
             training_step = lambda batch: model.training_step(batch, next(calls))  # noqa: E731
         self._training_step = training_step
-        plan = plan_cpu_resources(1, colocate=not cfg.fully_async.enable)
+        plan = plan_cpu_resources(1, colocate=not cfg.fully_async.enable, remote=cfg.rollout.placement != "local")
         if self._world > 1:  # every trainer process the same thread count (see trainer_share)
             plan = trainer_share(plan, fabric.local_rank, fabric.strategy.num_processes)
         if self._rank != 0:

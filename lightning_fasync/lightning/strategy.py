@@ -51,8 +51,10 @@ class FullyAsyncStrategy(SingleDeviceStrategy):
         self.engine_threads = engine_threads
         self.weight_sync = weight_sync
 
-    def resource_plan(self, colocate: bool = False) -> ResourcePlan:
-        return plan_cpu_resources(self.rollout_replicas, self.trainer_cores, self.rollout_cores, colocate=colocate)
+    def resource_plan(self, colocate: bool = False, remote: bool = False) -> ResourcePlan:
+        """The split of this host's cores (``remote``: the replicas run on other nodes, the trainer gets them all)."""
+        return plan_cpu_resources(self.rollout_replicas, self.trainer_cores, self.rollout_cores, colocate=colocate,
+                                  remote=remote)
 
 
 def register_model_parallel() -> None:

@@ -147,6 +147,12 @@ class DistributedWeightSync(_BucketedSync):
                 self._socket.close()
             self._socket = None
 
+    async def leave(self) -> None:
+        """Disband the group (its engines destroy their side, its port closes); the next push forms
+        a new one. The client stays open."""
+        with contextlib.suppress(Exception):
+            await self._disband()
+
     async def close(self) -> None:
         if not self.closed:
             with contextlib.suppress(Exception):

@@ -59,9 +59,12 @@ def resolve_weight_sync(cfg: Any, choice: Optional[str] = None) -> str:
     """The weight-sync path of a run: ``choice`` (an override such as
     ``FullyAsyncStrategy(weight_sync=...)``), else ``rollout.weight_sync``; ``auto`` is ``tensor`` for
     engines on this host (the embedded backend), ``vllm`` for vLLM servers (``rollout.backend: vllm``)
-    and ``distributed`` otherwise (``rollout.backend`` sglang or external)."""
+    and ``distributed`` otherwise (``rollout.backend`` sglang or external, or replicas on other nodes:
+    ``rollout.placement: ray``)."""
     kind = choice if choice is not None else getattr(cfg.rollout, "weight_sync", "auto")
     if kind == "auto":
+        if getattr(cfg.rollout, "placement", "local") != "local":  # replicas on other nodes: over the network
+            return "distributed"
         return {"embedded": "tensor", "vllm": "vllm"}.get(getattr(cfg.rollout, "backend", "embedded"), "distributed")
     if kind not in WEIGHT_PATHS:
         raise ConfigError(f"`rollout.weight_sync` is {kind!r}; it must be one of {', '.join(weight_sync_choices())}.")
@@ -728,14 +731,21 @@ DISK = WeightPath(name="disk", make=DiskWeightSync, client_method="update_weight
 """``rollout.weight_sync: disk``: a Hugging Face directory the engines load."""
 
 
-async def push_kept(kept: KeptWeights, client: Any, timeout_s: float = 120.0) -> None:
+async def push_kept(kept: KeptWeights, client: Any, timeout_s: float = 120.0, path: Optional[str] = None) -> None:
     """Load ``kept`` into the engines of ``client`` (a restarted replica, not serving yet) with the
-    same code as a push: its buckets over the ``tensor`` path (it runs on this host), or its directory
-    over its own path (``disk``; ``adapter``, a LoRA adapter's directory)."""
-    sync = make_weight_sync(kept.kind if kept.path is not None else "tensor", client, timeout_s=timeout_s,
+    same code as a push: its buckets over the ``tensor`` path (it runs on this host; ``path``
+    ``distributed`` for one on another node), or its directory over its own path (``disk``;
+    ``adapter``, a LoRA adapter's directory)."""
+    sync = make_weight_sync(kept.kind if kept.path is not None else (path or "tensor"), client, timeout_s=timeout_s,
                             pause_mode=None)
     try:
-        staged = kept.path if kept.path is not None else kept.buckets
-        await sync._deliver(staged, kept.version, f"weight version {kept.version}")
+        if kept.path is None and path == "distributed":  # a group with the one engine, the tensors broadcast
+            await sync.push(dict(kept.named_tensors()), kept.version)
+        else:
+            staged = kept.path if kept.path is not None else kept.buckets
+            await sync._deliver(staged, kept.version, f"weight version {kept.version}")
     finally:
+        leave = getattr(sync, "leave", None)
+        if leave is not None:  # no weight-update group (or its port) outlives the join
+            await leave()
         await sync.rpc.close()  # the caller's client stays the caller's

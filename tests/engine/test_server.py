@@ -27,13 +27,13 @@ def policy():
     return build_policy("tiny")
 
 
-def run_against_app(policy, body, api_key=None, **engine_kwargs):
+def run_against_app(policy, body, api_key=None, app_kwargs=None, **engine_kwargs):
     """Run ``body(session, base_url)`` against an in-process server on a free port."""
     model, tok = policy
     engine = Engine(model, **{"max_running_requests": 8, **engine_kwargs})
 
     async def main():
-        server = TestServer(build_app(engine, tok, "tiny", api_key=api_key), host="127.0.0.1")
+        server = TestServer(build_app(engine, tok, "tiny", api_key=api_key, **(app_kwargs or {})), host="127.0.0.1")
         await server.start_server()
         try:
             async with aiohttp.ClientSession() as session:
@@ -232,6 +232,21 @@ def test_api_key_is_required_when_set(policy):
         assert (await call(s, "GET", url + "/health"))[0] == 200
 
     run_against_app(policy, body, api_key="s3cret")
+
+
+def test_a_server_others_can_reach_needs_the_key_on_every_route(policy, capsys):
+    from lightning_fasync.engine.server import is_loopback, main
+
+    assert main(["--model", "tiny", "--host", "192.0.2.7"]) == 2  # refused before it loads or binds anything
+    assert "`--host` is 192.0.2.7, which others can reach: set an API key" in capsys.readouterr().err
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
+
+    async def body(s, url):
+        for path in ("/health", "/metrics", "/get_server_info"):
+            assert (await call(s, "GET", url + path))[0] == 401, path
+        assert (await call(s, "GET", url + "/health", headers={"Authorization": "Bearer s3cret"}))[0] == 200
+
+    run_against_app(policy, body, api_key="s3cret", app_kwargs={"open_paths": (), "enable_metrics": True})
 
 
 def test_cli_flags():

@@ -106,7 +106,7 @@ def records(path) -> list[dict]:
         ({"rollout": {"sglang_args": {"mem_fraction_static": 0.8}}}, "`rollout.sglang_args.mem_fraction_static`", "sglang"),
         ({"rollout": {"sglang_args": {"extra": ["--ep-size", "2"]}}}, "`rollout.sglang_args.extra`", "rollout.backend: sglang"),
         ({"rollout": {"backend": "sglang", "sglang_replicas": {"regular": {"num_nodes": 2, "num_gpus_per_replica": 4}}}},
-         "`rollout.sglang_replicas.regular.num_nodes`", "this host"),
+         "`rollout.sglang_replicas.regular.num_nodes`", "need rollout.placement: ray"),
         ({"rollout": {"backend": "sglang", "sglang_replicas": {"regular": {"num_nodes": 1, "num_gpus_per_replica": 3}}}},
          "`rollout.sglang_replicas.regular.num_gpus_per_replica`", "divisor"),
         ({"rollout": {"backend": "sglang", "sglang_args": {"extra": {"port": 1234}}}}, "`rollout.sglang_args.extra`", "--port"),
@@ -536,6 +536,28 @@ def test_the_qwen3_30b_config_uses_the_sglang_backend_and_validates(fully_async)
     text = open(path).read()
     for marker in ("model.model", "data_source.path", "trainer.default_root_dir", "GPU topology"):
         assert marker in text.split("seed_everything")[0], marker  # each REPLACE explained in the header
+
+
+def test_the_qwen3_30b_two_node_overlay_places_its_replicas_with_ray(tiny_dir, monkeypatch):
+    """configs/qwen3_30b_a3b/dapo_h20_2node.yaml over the one-node config: fully-async, SGLang replicas
+    placed by Ray on the rollout node (one per 4 of its 8 GPUs), weights over the network."""
+    pytest.importorskip("ray")
+    from lightning_fasync.weights.sync import resolve_weight_sync
+
+    one = plugin_keys(os.path.join(REPO, "configs", "qwen3_30b_a3b", "dapo_h20_1node.yaml"))
+    overlay = yaml.safe_load(open(os.path.join(REPO, "configs", "qwen3_30b_a3b", "dapo_h20_2node.yaml")))
+    for group, value in overlay.items():
+        one[group] = {**one[group], **value} if isinstance(value, dict) and isinstance(one.get(group), dict) else value
+    monkeypatch.setenv("FASYNC_ENGINE_API_KEY", "k")
+    cfg = validate(load_config(one))
+    assert (cfg.colocate, cfg.fully_async.enable, cfg.rollout.placement, cfg.rollout.backend) == (False, True, "ray", "sglang")
+    assert resolve_weight_sync(cfg) == "distributed"
+    monkeypatch.setenv(backends.FAKE_SGLANG_ENV, FAKE_SGLANG)
+    replicas = check_sglang_backend(cfg, tiny_dir)
+    assert [(r.kind, r.index) for r in replicas] == [("regular", 0), ("regular", 1)]
+    monkeypatch.delenv("FASYNC_ENGINE_API_KEY")
+    with pytest.raises(ConfigError, match=r"set \$FASYNC_ENGINE_API_KEY"):
+        validate(cfg)
 
 
 def test_free_port_is_below_the_ephemeral_range_and_free():

@@ -35,8 +35,11 @@ def main() -> int:
     parser.add_argument("--context-length", default=None)
     parser.add_argument("--max-running-requests", default=None)
     parser.add_argument("--weight-version", default=None)
+    parser.add_argument("--api-key", default=None)
     args, _ = parser.parse_known_args(argv)
     served = ["--model", args.model_path, "--host", args.host, "--port", str(args.port), "--threads", "1"]
+    if args.api_key:
+        served += ["--api-key", args.api_key]
     for flag in ("context_length", "max_running_requests", "weight_version"):
         if getattr(args, flag) is not None:
             served += ["--" + flag.replace("_", "-"), getattr(args, flag)]
