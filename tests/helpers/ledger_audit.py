@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import subprocess
+import time
 from typing import Any, Optional
 
 
@@ -67,3 +68,27 @@ def audit_resume(run1: list[dict], run2: list[dict], prompts_per_step: int, step
     assert set(rolled_back) <= set(replayed), "prompts consumed after the checkpoint were lost"
     assert sorted({r["step"] for r in run2 if r["kind"] == "consume"}) == list(range(resume_step, steps))
     return resume_step
+
+
+def wait_until(proc, root, what, predicate, timeout=240):
+    """Poll a running ``fit`` under ``root`` until ``predicate(ledger, events)`` (both read from its
+    ``lightning_logs/version_0``) returns something true, which is returned; fails with the run's
+    log tail when the run ends first, and after ``timeout`` seconds."""
+    from lightning_fasync.pipeline.events import read_jsonl
+
+    deadline = time.monotonic() + timeout
+    logs = os.path.join(root, "lightning_logs", "version_0")
+    while True:
+        assert proc.poll() is None, f"the run ended waiting for {what}:\n" + open(os.path.join(root, "run.log")).read()[-3000:]
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        ledger = read_jsonl(os.path.join(logs, "ledger.jsonl")) if os.path.exists(os.path.join(logs, "ledger.jsonl")) else []
+        events = read_jsonl(os.path.join(logs, "events.jsonl")) if os.path.exists(os.path.join(logs, "events.jsonl")) else []
+        got = predicate(ledger, events)
+        if got:
+            return got
+        time.sleep(0.1)
+
+
+def last_step(ledger):
+    """The last rollout step of which the ledger has a consumed group (-1: none)."""
+    return max((r["step"] for r in ledger if r["kind"] == "consume"), default=-1)

@@ -24,7 +24,7 @@ from lightning_fasync.fleet.pool import RolloutPool
 from lightning_fasync.fleet.workers import EngineLostError
 from lightning_fasync.weights.checksum import checksums
 from lightning_fasync.weights.sync import TensorWeightSync
-from tests.helpers.ledger_audit import children_of
+from tests.helpers.ledger_audit import children_of, last_step, wait_until
 from tests.helpers.paths import REPO
 
 TINY = os.path.join(REPO, "configs", "tiny_cpu.yaml")
@@ -189,24 +189,6 @@ def fit(root, steps, *extra):
            "--rollout.engine_restart.poll_interval_s=0.2", "--rollout.engine_restart.backoff_s=0.2", *extra]
     log = open(os.path.join(root, "run.log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log
-
-
-def wait_until(proc, root, what, predicate, timeout=240):
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, f"the run ended waiting for {what}:\n" + open(os.path.join(root, "run.log")).read()[-3000:]
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        logs = os.path.join(root, "lightning_logs", "version_0")
-        ledger = read_jsonl(os.path.join(logs, "ledger.jsonl")) if os.path.exists(os.path.join(logs, "ledger.jsonl")) else []
-        events = read_jsonl(os.path.join(logs, "events.jsonl")) if os.path.exists(os.path.join(logs, "events.jsonl")) else []
-        got = predicate(ledger, events)
-        if got:
-            return got
-        time.sleep(0.1)
-
-
-def last_step(ledger):
-    return max((r["step"] for r in ledger if r["kind"] == "consume"), default=-1)
 
 
 def audit(ledger, complete_steps, last_may_be_partial=False):

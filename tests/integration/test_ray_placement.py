@@ -26,6 +26,7 @@ import urllib.request
 import pytest
 
 from lightning_fasync.pipeline.events import read_jsonl
+from tests.helpers.ledger_audit import last_step, wait_until
 from tests.helpers.paths import FAKE_SGLANG, REPO
 
 pytestmark = pytest.mark.slow
@@ -85,31 +86,13 @@ def _fit(root, address, key, *extra):
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env), log
 
 
-def _wait(proc, root, what, predicate, timeout=300):
-    deadline = time.monotonic() + timeout
-    logs = os.path.join(root, "lightning_logs", "version_0")
-    while True:
-        assert proc.poll() is None, f"the run ended waiting for {what}:\n" + open(os.path.join(root, "run.log")).read()[-3000:]
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        ledger = read_jsonl(os.path.join(logs, "ledger.jsonl")) if os.path.exists(os.path.join(logs, "ledger.jsonl")) else []
-        events = read_jsonl(os.path.join(logs, "events.jsonl")) if os.path.exists(os.path.join(logs, "events.jsonl")) else []
-        got = predicate(ledger, events)
-        if got:
-            return got
-        time.sleep(0.2)
-
-
-def _last_step(ledger):
-    return max((r["step"] for r in ledger if r["kind"] == "consume"), default=-1)
-
-
 def test_a_fit_trains_with_its_replicas_on_another_ray_node_and_survives_one_killed(cluster, tmp_path):
     c, rollout = cluster
     key = secrets.token_hex(16)
     proc, log = _fit(tmp_path, c.address, key)
     logs = tmp_path / "lightning_logs" / "version_0"
     try:
-        _wait(proc, tmp_path, "step 2", lambda ledger, ev: _last_step(ledger) >= 2)
+        wait_until(proc, tmp_path, "step 2", lambda ledger, ev: last_step(ledger) >= 2)
         placement = json.loads((logs / "ray" / "placement.json").read_text())
         replicas = placement["replicas"]
         assert sorted(replicas) == ["0", "1"]
@@ -130,8 +113,8 @@ def test_a_fit_trains_with_its_replicas_on_another_ray_node_and_survives_one_kil
         victim = next(p for p in servers if f"--port {url.rsplit(':', 1)[1]} ".encode()
                       in open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ") + b" ")
         os.killpg(victim, signal.SIGKILL)
-        dead = _wait(proc, tmp_path, "engine_dead", lambda l, ev: [e for e in ev if e["event"] == "engine_dead"])[0]
-        restarted = _wait(proc, tmp_path, "engine_restarted",
+        dead = wait_until(proc, tmp_path, "engine_dead", lambda l, ev: [e for e in ev if e["event"] == "engine_dead"])[0]
+        restarted = wait_until(proc, tmp_path, "engine_restarted",
                           lambda l, ev: [e for e in ev if e["event"] == "engine_restarted"])[0]
         assert restarted["weight_version"] >= 1  # the trainer's weights, checked before it served again
         assert dead["url"] == restarted["url"] == url  # the same node and port
