@@ -8,8 +8,9 @@ The profile is the real thing, short:
   and per thousand response tokens at each side's thread count (a least-squares fit over the
   steps), the weight sync, the pause and the rest of each step boundary, and the response lengths;
 - the engine's decode throughput against concurrency, measured on a real engine server pinned as
-  each mode pins it (every core for colocate, its own cores for fully-async), fitted to the
-  simulator's curve ``T(c) = peak * c / (c + half)``.
+  each mode pins it (every core for colocate, its own cores for fully-async); the simulator
+  interpolates the measured points (a CPU engine's curve is not the GPU-shaped ``T(c) = peak * c /
+  (c + half)``, which is fitted too and printed).
 
 Each mode is then simulated (:mod:`lightning_fasync.simulate`, the live pipeline on a virtual clock)
 with the calibration of its own resource layout, response lengths drawn from the profile's groups,
@@ -119,18 +120,22 @@ class Profile:
 
 
 def fit_curve(points: Sequence[tuple[int, float]], threads: int = 1) -> EngineCurve:
-    """Least squares of ``1 / T = 1 / peak + (half / peak) / c`` (a decode step costs a fixed part
-    plus a part per request): the simulator's ``T(c) = peak * c / (c + half)``."""
-    xs = [1.0 / c for c, _ in points]
-    ys = [1.0 / t for _, t in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    intercept = my - slope * mx
-    if intercept <= 0:  # no saturation seen: throughput still linear in c; take the best point as the peak
-        c, t = max(points, key=lambda p: p[1])
-        return EngineCurve(threads, list(points), t * 2.0, float(c))
-    return EngineCurve(threads, list(points), 1.0 / intercept, max(slope, 0.0) / intercept)
+    """The simulator's ``T(c) = peak * c / (c + half)`` fitted to measured (concurrency, tokens/s):
+    least relative squared error, ``peak`` in closed form for each ``half`` of a log grid. (A fit of
+    ``1 / T`` against ``1 / c`` lets the low-concurrency points, where a CPU engine's per-step
+    overhead is noisiest, decide the peak.)"""
+    best: Optional[tuple[float, float, float]] = None
+    for i in range(241):
+        half = 0.1 * 10 ** (i / 60)  # 0.1 .. 1000
+        g = [c / (c + half) for c, _ in points]
+        num = sum(gi / t for gi, (_, t) in zip(g, points))
+        den = sum((gi / t) ** 2 for gi, (_, t) in zip(g, points))
+        peak = num / den if den else 0.0
+        err = sum((1 - peak * gi / t) ** 2 for gi, (_, t) in zip(g, points))
+        if best is None or err < best[0]:
+            best = (err, peak, half)
+    assert best is not None
+    return EngineCurve(threads, list(points), best[1], best[2])
 
 
 def fit_trainer(samples: Sequence[tuple[int, float]], calls: int, threads: int) -> TrainerFit:
@@ -276,7 +281,8 @@ def _cpu_sim(cfg: FasyncConfig, prof: Profile, colocate: bool, steps: int, seed:
         over[f"rollout.sglang_replicas.{kinds[0]}.num_nodes"] = 1
     cfg = validate(with_overrides(cfg, over))
     sim = SimConfig(steps=steps, seed=seed, num_prompts=4096, total_gpus=per,
-                    replica=ReplicaModel(curve.peak_tokens_per_s, curve.half_saturation),
+                    replica=ReplicaModel(curve.peak_tokens_per_s, curve.half_saturation,
+                                         measured=[[c, t] for c, t in curve.points]),
                     train_base_s=run.trainer.base_s, train_s_per_ktoken=run.trainer.s_per_ktoken,
                     train_reference_gpus=per if colocate else 1, weight_sync_s=run.sync_s + run.other_s,
                     pause_overhead_s=run.pause_s, colocate_switch_s=0.0)

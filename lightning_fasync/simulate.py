@@ -43,6 +43,24 @@ class ReplicaModel:
     """Aggregate decode tokens/s of one replica at saturation (reference: its GPU count below)."""
     half_saturation: float = 64.0
     """Concurrency at which a replica reaches half its peak throughput."""
+    measured: list[list[float]] = field(default_factory=list)
+    """Measured ``[concurrency, aggregate tokens/s]`` points (``lightning-fasync plan`` gives them);
+    when given, the throughput at ``c`` is their piecewise-linear interpolation (flat past the last
+    point, ``T(1) * c`` below the first) instead of the curve above."""
+
+    def throughput(self, c: int) -> float:
+        """Aggregate decode tokens/s with ``c`` requests running."""
+        if c <= 0:
+            return 0.0
+        pts = sorted((float(a), float(b)) for a, b in self.measured)
+        if not pts:
+            return self.peak_tokens_per_s * c / (c + self.half_saturation)
+        if c <= pts[0][0]:
+            return pts[0][1] * c / pts[0][0]
+        for (c0, t0), (c1, t1) in zip(pts, pts[1:]):
+            if c <= c1:
+                return t0 + (t1 - t0) * (c - c0) / (c1 - c0)
+        return pts[-1][1]
 
 
 @dataclass
@@ -140,7 +158,7 @@ class _Replica:
 
     def rate(self) -> float:
         c = self.num_running
-        return self.model.peak_tokens_per_s / (c + self.model.half_saturation) if c else 0.0
+        return self.model.throughput(c) / c if c else 0.0
 
     def advance(self, dt: float) -> None:
         self.progress += self.rate() * dt

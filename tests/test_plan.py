@@ -22,8 +22,19 @@ def test_the_engine_curve_fit_recovers_peak_and_half_saturation():
     peak, half = 9000.0, 6.0
     points = [(c, peak * c / (c + half)) for c in (1, 2, 4, 8, 16, 32, 64)]
     curve = fit_curve(points, threads=1)
-    assert curve.peak_tokens_per_s == pytest.approx(peak, rel=1e-9)
-    assert curve.half_saturation == pytest.approx(half, rel=1e-9)
+    assert curve.peak_tokens_per_s == pytest.approx(peak, rel=0.03)  # a log grid of 60 points a decade
+    assert curve.half_saturation == pytest.approx(half, rel=0.03)
+
+
+def test_the_simulator_interpolates_a_measured_curve():
+    from lightning_fasync.simulate import ReplicaModel
+
+    model = ReplicaModel(measured=[[2, 1000.0], [8, 4000.0], [64, 9000.0]])
+    assert model.throughput(0) == 0.0
+    assert model.throughput(1) == 500.0  # T(first) * c / first below the first point
+    assert model.throughput(5) == 2500.0 and model.throughput(36) == 6500.0
+    assert model.throughput(500) == 9000.0  # flat past the last point
+    assert ReplicaModel(peak_tokens_per_s=100.0, half_saturation=1.0).throughput(1) == 50.0
 
 
 def test_the_trainer_fit_recovers_its_coefficients_and_stays_non_negative():

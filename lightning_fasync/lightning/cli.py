@@ -349,8 +349,10 @@ def parse_fit_args(args: Sequence[str]) -> tuple[FasyncConfig, Any]:
     args = [str(a) for a in args]
     import_plugins_named(args)
     kwargs = {**CLI_KWARGS, "parser_kwargs": {k: v for k, v in CLI_KWARGS["parser_kwargs"].items() if k != "fit"}}
-    cli = _ParseOnly(policy_class(args), args=args, run=False, save_config_callback=None, seed_everything_default=None,
-                     **{k: v for k, v in kwargs.items() if k != "save_config_kwargs"})
+    with warnings.catch_warnings():  # called from another command line (plan's): its own argv is not fit's
+        warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended")
+        cli = _ParseOnly(policy_class(args), args=args, run=False, save_config_callback=None, seed_everything_default=None,
+                         **{k: v for k, v in kwargs.items() if k != "save_config_kwargs"})
     return cli.fasync_config, cli.config
 
 
