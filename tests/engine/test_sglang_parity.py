@@ -120,8 +120,9 @@ def test_a_failed_disk_update_answers_sglangs_body(server, sglang):
 def test_server_info_startup_time_has_sglangs_shape(server, sglang):
     info = json.loads(get(server + "/server_info")[1])
     # Every key is one SGLang's server_info writes (ServerArgs fields, the scheduler's handshake ...)
-    # but `engine`, ours.
-    assert sorted(set(info) - set(sglang["server_info_keys"])) == ["engine"]
+    # but `engine` and `lora_dir` (where adapters load from, which a trainer on this host writes), ours.
+    assert sorted(set(info) - set(sglang["server_info_keys"])) == ["engine", "lora_dir"]
+    assert {"enable_deterministic_inference", "enable_lora", "max_loras_per_batch"} <= set(sglang["server_info_keys"])
     assert {"max_total_num_tokens", "max_req_input_len", "startup_time"} <= set(sglang["server_info_keys"])
 
     def shape(d):

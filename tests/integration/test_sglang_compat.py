@@ -114,10 +114,10 @@ def test_sglang_frontend_and_openai_client_through_the_real_router(routed):
 
 def test_server_info_has_sglangs_shape(server):
     """``/get_server_info``: the version the client's protocol detection reads, and SGLang's own
-    ``ServerArgs`` field names for the server arguments reported (``engine`` is ours)."""
+    ``ServerArgs`` field names for the server arguments reported (``engine`` and ``lora_dir`` are ours)."""
     out = server["server_info"]
     assert out["version"] == "0.5.23"
-    assert out["not_sglangs"] == ["engine"], out["not_sglangs"]
+    assert out["not_sglangs"] == ["engine", "lora_dir"], out["not_sglangs"]
     args = out["args"]
     assert args["model_path"] == "tiny" and args["host"] == "127.0.0.1" and isinstance(args["port"], int)
     assert args["max_running_requests"] == 8 and args["context_length"] > 0 and args["weight_version"] == "default"
