@@ -30,6 +30,38 @@ def test_version_spans_expand_to_one_version_per_token():
         parse_version("v1.2")
 
 
+def test_a_call_after_a_timed_out_one_reads_its_own_answer():
+    """A call that timed out leaves its answer unread on its connection; the next call must not get it
+    (aiohttp 3.9.0 put that connection back in the pool, and the next call read the late answer)."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def slow(request):
+        await asyncio.sleep(1.5)
+        return web.json_response({"answer": "slow"})
+
+    async def fast(request):
+        return web.json_response({"answer": "fast"})
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/slow", slow)
+        app.router.add_get("/fast", fast)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        client = SGLangClient([url], retries=0, admin_timeout_s=0.3)
+        try:
+            with pytest.raises(EngineError, match="did not answer within"):
+                await client._request("GET", url + "/slow", timeout_key="rollout.admin_timeout")
+            assert await client._request("GET", url + "/fast", timeout=5.0) == {"answer": "fast"}
+        finally:
+            await client.close()
+            await server.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_parse_generate_response():
     data = {"text": "ab", "output_ids": [7, 8], "meta_info": {
         "id": "r", "finish_reason": {"type": "abort", "message": "x"}, "prompt_tokens": 3,

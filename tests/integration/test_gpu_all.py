@@ -72,7 +72,10 @@ def test_a_tiny_budget_skips_stages_with_a_row_saying_so(tmp_path):
     assert set(rows) == {s.name for s in gpu_all.STAGES}
     for row in rows.values():
         assert row["status"] == "skipped"
-        assert re.fullmatch(r"-?\d+ s of the budget left, the stage needs \d+ s", row["detail"]), row["detail"]
+        # A stage whose imports are missing here (megatron.core where it is not installed) says that first.
+        assert (re.fullmatch(r"-?\d+ s of the budget left, the stage needs \d+ s", row["detail"])
+                or re.fullmatch(r"missing [\w.]+(, [\w.]+)* \(.+\)", row["detail"])), row["detail"]
+    assert any("of the budget left" in row["detail"] for row in rows.values())
     assert summary["wall_s"] < 60  # the budget stopped it: not one stage started
 
 

@@ -74,14 +74,28 @@ def module(algorithm: Optional[dict[str, Any]] = None, rollout: Optional[dict[st
     return cls("tiny", **{**RLPolicyModule.algorithm_args(cfg), **overrides})
 
 
-def two_calls(m: RLPolicyModule, seed: int = 0, lr: float = 0.5, step: int = 1) -> list[dict[str, Any]]:
+def two_calls(m: RLPolicyModule, seed: int = 0, lr: float = 0.5, step: int = 1,
+              like: Optional[list[dict[str, Any]]] = None) -> list[dict[str, Any]]:
     """Both training calls of rollout step ``step`` with plain SGD between them (so the second call's
     old log-probs, from the step-start snapshot or the loglinear interpolation, differ from the live
-    policy's): each call's loss, metrics, gradients and forward plan."""
+    policy's): each call's loss, metrics, gradients and forward plan, and the parameters the second
+    call started from.
+
+    ``like``: the reference's ``two_calls``; the second call then starts from the reference's
+    parameters after its SGD step, so each call compares one call's arithmetic (float32 rounding of
+    the first call's gradients, carried by the step into the second call, is not counted twice)."""
     m.begin_rollout_step(step)
     opt = torch.optim.SGD(m.policy.parameters(), lr=lr)
     out = []
     for call in range(2):
+        if call == 1:
+            if like is not None:
+                with torch.no_grad():
+                    for name, p in m.policy.named_parameters():
+                        p.copy_(like[1]["params"][name])
+            params = {n: p.detach().clone() for n, p in m.policy.named_parameters()}
+        else:
+            params = {}
         groups = make_groups(seed + call)
         batch = RolloutBatch(groups=groups, rollout_step=step, call_index=call, calls_per_step=2,
                              data=m.prepare_rollout_batch(groups))
@@ -91,7 +105,7 @@ def two_calls(m: RLPolicyModule, seed: int = 0, lr: float = 0.5, step: int = 1) 
         m.on_before_optimizer_step(opt)
         grads = {n: p.grad.detach().clone() for n, p in m.policy.named_parameters()}
         out.append({"loss": loss.item(), "metrics": dict(m.rollout_metrics()), "grads": grads,
-                    "plan": batch.data.forwards})
+                    "plan": batch.data.forwards, "params": params})
         opt.step()
     return out
 

@@ -48,7 +48,7 @@ def test_packed_and_micro_batched_calls_match_the_padded_call(name, mode):
         if key.split("/")[1].split("_")[0] in name:  # the correction masks part of each call
             assert all(0.05 < call["metrics"][key] < 0.95 for call in want), key
     for variant, overrides in VARIANTS.items():
-        got = two_calls(module(algorithm, **overrides))
+        got = two_calls(module(algorithm, **overrides), like=want)
         plan = got[0]["plan"]
         assert plan.packed == overrides["pack_sequences"]
         if "max_tokens_per_micro_batch" in overrides:
@@ -64,7 +64,7 @@ def test_partial_rollout_masks_match_the_padded_call():
     algorithm = {"is_correction": {"enable": True}, "m2po": {"enable": True}}
     want = two_calls(module(algorithm, rollout, pack_sequences=False))
     for overrides in VARIANTS.values():
-        assert_same_calls(two_calls(module(algorithm, rollout, **overrides)), want)
+        assert_same_calls(two_calls(module(algorithm, rollout, **overrides), like=want), want)
 
 
 def test_a_qwen3_policy_packs_as_it_pads():
@@ -72,7 +72,7 @@ def test_a_qwen3_policy_packs_as_it_pads():
     algorithm = {"is_correction": {"enable": True}, "loss_agg_mode": "seq-mean-token-sum"}
     want = two_calls(module(algorithm, cls=Qwen3Module, pack_sequences=False))
     for overrides in VARIANTS.values():
-        assert_same_calls(two_calls(module(algorithm, cls=Qwen3Module, **overrides)), want, tol=3e-6)
+        assert_same_calls(two_calls(module(algorithm, cls=Qwen3Module, **overrides), like=want), want, tol=3e-6)
 
 
 class EagerModule(Qwen3Module):
@@ -89,7 +89,7 @@ def test_eager_attention_packs_as_it_pads():
     want = two_calls(module(algorithm, cls=EagerModule, pack_sequences=False))
     packed = module(algorithm, cls=EagerModule, pack_sequences=True, max_tokens_per_micro_batch=40)
     assert packed._packing == "rows" and packed.policy.config._attn_implementation == "eager"
-    assert_same_calls(two_calls(packed), want, tol=3e-6)
+    assert_same_calls(two_calls(packed, like=want), want, tol=3e-6)
 
 
 BAD = 95  # a token id the calls' random tokens (< 90) never use
@@ -138,6 +138,7 @@ def test_a_row_with_non_finite_log_probs_is_dropped_as_in_one_forward(mode, monk
     algorithm = {"is_correction": {"enable": True}, "loss_agg_mode": mode}
     want = two_calls(module(algorithm, cls=BrokenRowModule, pack_sequences=False))
     assert all(call["metrics"]["train/nan_ratio"] > 0 for call in want)  # the row was dropped
-    got = two_calls(module(algorithm, cls=BrokenRowModule, pack_sequences=True, max_tokens_per_micro_batch=40))
+    got = two_calls(module(algorithm, cls=BrokenRowModule, pack_sequences=True, max_tokens_per_micro_batch=40),
+                    like=want)
     assert len(got[0]["plan"].micro_batches) >= 3
     assert_same_calls(got, want, tol=3e-6 if mode == "seq-mean-token-sum" else 1e-6)
