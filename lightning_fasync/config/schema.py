@@ -343,6 +343,10 @@ class VLLMArgs:
     pushed weights' own (one forward of the probe on the trainer's rank 0, each sync); false skips it."""
     port: Optional[int] = None
     """Port of the first server on 127.0.0.1 (server i listens on port + i); None: free ports."""
+    max_lora_rank: int = 16
+    """``rollout.weight_sync: adapter`` only: the largest LoRA rank the servers accept (vLLM
+    ``--max-lora-rank``, its default 16); must be at least ``model.lora.r`` (a push of a larger
+    adapter is refused naming this key)."""
     extra: Union[dict[str, Any], list[str]] = field(default_factory=dict)
     """More ``vllm.entrypoints.openai.api_server`` arguments, as ``rollout.sglang_args.extra`` takes them."""
 

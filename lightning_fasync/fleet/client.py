@@ -502,19 +502,7 @@ class SGLangClient(EngineClient):
             EngineUnavailable: the connection failed.
             EngineError: any other status, or an answer that is not such an object.
         """
-        session = await self._http()
-        total = timeout or self.admin_timeout_s
-        try:
-            async with session.post(url + path, json=body,
-                                    timeout=aiohttp.ClientTimeout(total=total, sock_connect=10)) as resp:
-                text = await resp.text()
-                status = resp.status
-        except asyncio.TimeoutError as exc:
-            raise EngineFault(f"POST {url}{path} did not answer within {total:g} s (`{timeout_key}`); it was not "
-                              "sent again, as adapter loads and unloads are not idempotent.") from exc
-        except aiohttp.ClientError as exc:
-            raise EngineUnavailable(f"POST {url}{path} failed and was not sent again, as adapter loads and unloads "
-                                    f"are not idempotent: {exc!r}") from exc
+        status, text = await self._post_once(url, path, body, timeout, timeout_key)
         try:
             answer = json.loads(text) if text else None
         except ValueError:
@@ -523,12 +511,61 @@ class SGLangClient(EngineClient):
             raise EngineError(f"POST {url}{path} answered {status}: {text[:500]}", status=status)
         return answer
 
+    async def _post_once(self, url: str, path: str, body: dict[str, Any], timeout: Optional[float] = None,
+                         timeout_key: str = "admin_timeout_s") -> tuple[int, str]:
+        """``POST url + path`` sent once, never again (an adapter load or unload is not idempotent):
+        the status and the answer's text.
+
+        Raises:
+            EngineFault: no answer within ``timeout`` (default ``admin_timeout_s``), named as ``timeout_key``.
+            EngineUnavailable: the connection failed.
+        """
+        session = await self._http()
+        total = timeout or self.admin_timeout_s
+        try:
+            async with session.post(url + path, json=body,
+                                    timeout=aiohttp.ClientTimeout(total=total, sock_connect=10)) as resp:
+                return resp.status, await resp.text()
+        except asyncio.TimeoutError as exc:
+            raise EngineFault(f"POST {url}{path} did not answer within {total:g} s (`{timeout_key}`); it was not "
+                              "sent again, as adapter loads and unloads are not idempotent.") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineUnavailable(f"POST {url}{path} failed and was not sent again, as adapter loads and unloads "
+                                    f"are not idempotent: {exc!r}") from exc
+
     @staticmethod
     def _check_lora(url: str, path: str, answer: dict[str, Any]) -> None:
         """Raise ``EngineError`` unless ``answer`` (of :meth:`_lora_call`) says the call succeeded."""
         if answer.get("success") is not True:
             message = answer.get("error_message") or str(answer)
             raise EngineError(f"{url} refused {path}: {str(message)[:500]}", status=400)
+
+    async def swap_lora_adapter(self, url: str, name: str, directory: str, version: Optional[int],
+                                timeout: float, timeout_key: str) -> None:
+        """Replace the adapter ``name`` on the worker ``url`` with the one in ``directory`` (peft's
+        saved format), with SGLang 0.5.23's API: ``/unload_lora_adapter`` of the previous one (one
+        that was not loaded, as after a restart, is no error), ``/load_lora_adapter`` under the same
+        name, ``/update_weight_version``. The LoRA calls are sent once each (:meth:`_lora_call`).
+
+        Raises:
+            EngineError: the worker refused a call or did not answer within ``timeout``.
+        """
+        path = "/unload_lora_adapter"
+        answer = await self._lora_call(url, path, {"lora_name": name}, timeout, timeout_key)
+        if name in (answer.get("loaded_adapters") or {}):
+            self._check_lora(url, path, answer)
+        path = "/load_lora_adapter"
+        self._check_lora(url, path, await self._lora_call(url, path, {"lora_name": name, "lora_path": directory},
+                                                          timeout, timeout_key))
+        if version is not None:
+            await self._request("POST", url + "/update_weight_version",
+                                {"new_version": str(version), "abort_all_requests": False},
+                                timeout=timeout, timeout_key=timeout_key)
+
+    async def commit_lora_adapter(self, name: str, version: Optional[int], urls: Sequence[str], timeout: float,
+                                  timeout_key: str) -> None:
+        """Every worker in ``urls`` loaded the adapter of ``version`` (:meth:`swap_lora_adapter`):
+        nothing more to do on SGLang's API, whose adapter keeps its name across loads."""
 
     async def update_lora_adapter(self, adapter: Mapping[str, Any], weight_version: Optional[int] = None) -> None:
         """Replace the trainer's adapter on every worker (``rollout.weight_sync: adapter``'s client

@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -53,6 +55,8 @@ PLUGIN_FLAGS: dict[str, str] = {
     "--enforce-eager": "`rollout.vllm_args.enforce_eager`", "--seed": "the plugin",
     "--gpu-memory-utilization": "`rollout.vllm_args.gpu_memory_utilization`",
     "--no-enable-prefix-caching": "`rollout.weight_update_mode: inflight` with `rollout.inflight_kv: keep`",
+    "--enable-lora": "`rollout.weight_sync: adapter`", "--max-loras": "`rollout.weight_sync: adapter`",
+    "--max-lora-rank": "`rollout.vllm_args.max_lora_rank`",
 }
 """vLLM server flags the plugin sets itself, and from what (not allowed in ``extra``)."""
 
@@ -94,15 +98,39 @@ def parse_vllm_response(rid: str, data: Mapping[str, Any]) -> GenerateResult:
     )
 
 
+def vllm_lora_name(name: str, version: Optional[int]) -> str:
+    """The name the adapter of ``version`` is loaded under on vLLM (one per version: vLLM keys its
+    adapter cache and its prefix cache by the adapter's id)."""
+    return name if version is None else f"{name}-v{version}"
+
+
 class VLLMClient(SGLangClient):
     """The pipeline's engine client over vLLM servers (module docstring); the admin calls the weight
     sync and the supervisor make go to every serving server, as :class:`SGLangClient`'s do."""
 
     generate_path = "/inference/v1/generate"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_lora_rank: Optional[int] = None,
+                 lora_slot: Optional[dict[str, Optional[str]]] = None, **kwargs: Any) -> None:
+        """``lora_name`` (:class:`SGLangClient`'s) is sent as each request's ``model`` (vLLM's
+        ``/inference/v1/generate`` then applies that loaded adapter); here it lives in ``lora_slot``,
+        which the clients of one pool share, so the adapter path's push renames the adapter every
+        client names. ``max_lora_rank``: the servers' ``--max-lora-rank`` (the adapter path refuses
+        a larger adapter naming the key)."""
+        self._lora_slot = lora_slot if lora_slot is not None else {"name": None}
+        if kwargs.get("lora_name") is None:
+            kwargs["lora_name"] = self._lora_slot["name"]
         super().__init__(*args, **kwargs)
+        self.max_lora_rank = max_lora_rank
         self._where: dict[str, str] = {}  # rid -> the server it went to
+
+    @property
+    def lora_name(self) -> Optional[str]:  # type: ignore[override]
+        return self._lora_slot["name"]
+
+    @lora_name.setter
+    def lora_name(self, name: Optional[str]) -> None:
+        self._lora_slot["name"] = name
 
     def clone(self) -> "VLLMClient":
         other = super().clone()
@@ -121,6 +149,8 @@ class VLLMClient(SGLangClient):
             params["seed"] = sp.sampling_seed
         body = {"request_id": request.rid, "token_ids": list(request.input_ids), "sampling_params": params,
                 "output_mode": "tokens"}
+        if self.lora_name is not None:
+            body["model"] = self.lora_name
         data = await self._generate(request, body)
         if data is None:
             return GenerateResult(rid=request.rid, output_ids=[], output_log_probs=[], weight_versions=[],
@@ -182,6 +212,42 @@ class VLLMClient(SGLangClient):
 
     async def update_weight_version(self, weight_version: int) -> None:
         await self._all_workers("POST", "/update_weight_version", {"new_version": str(weight_version)})
+
+    async def swap_lora_adapter(self, url: str, name: str, directory: str, version: Optional[int],
+                                timeout: float, timeout_key: str) -> None:
+        """vLLM 0.32's ``POST /v1/load_lora_adapter`` of ``directory`` under a name of its own per
+        version (:func:`vllm_lora_name`; sent once, as it is not idempotent), then
+        ``/update_weight_version`` (the per-token versions of the tokens sampled afterwards). A new
+        name, not ``load_inplace``: vLLM loads a new adapter into its cache at once, while an
+        in-place one is read from its directory again at every engine step that runs it, and its
+        id would keep the prefixes the previous weights computed. :meth:`commit_lora_adapter` then
+        makes every client name it. vLLM answers a load with plain text, and an error as JSON.
+
+        Raises:
+            EngineError: the server refused (its message) or did not answer within ``timeout``.
+        """
+        path = "/v1/load_lora_adapter"
+        status, text = await self._post_once(url, path, {"lora_name": vllm_lora_name(name, version),
+                                                         "lora_path": directory}, timeout, timeout_key)
+        if status != 200:
+            raise EngineError(f"{url} refused {path} ({status}): {text[:500]}", status=status)
+        if version is not None:
+            await self._request("POST", url + "/update_weight_version", {"new_version": str(version)},
+                                timeout=timeout, timeout_key=timeout_key)
+
+    async def commit_lora_adapter(self, name: str, version: Optional[int], urls: Sequence[str], timeout: float,
+                                  timeout_key: str) -> None:
+        """Every server loaded the adapter of ``version``: the pool's clients name it from now on,
+        and the previous one is unloaded (``/v1/unload_lora_adapter``; a request that still names it
+        is answered 404 rather than served from an adapter vLLM would read from a removed directory)."""
+        new = vllm_lora_name(name, version)
+        old, self.lora_name = self.lora_name, new
+        if old is None or old == new:
+            return
+        for url in urls:
+            with contextlib.suppress(EngineError):
+                await self._request("POST", url + "/v1/unload_lora_adapter", {"lora_name": old}, timeout=timeout,
+                                    timeout_key=timeout_key)
 
     async def flush_cache(self) -> None:
         await self._all_workers("POST", "/reset_prefix_cache")
@@ -253,6 +319,10 @@ def probe_python(python: str) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM 0.32's ``--max-lora-rank`` takes (``vllm/config/lora.py``, ``MaxLoRARanks``)."""
+
+
 def check_vllm_config(cfg: FasyncConfig) -> None:
     """``rollout.backend: vllm`` from the config alone.
 
@@ -265,11 +335,19 @@ def check_vllm_config(cfg: FasyncConfig) -> None:
 
     check_vllm_pause(cfg)
     va = cfg.rollout.vllm_args
-    if cfg.rollout.weight_sync not in ("auto", "vllm"):
+    if cfg.rollout.weight_sync not in ("auto", "vllm", "adapter"):
         raise ConfigError(
             f"`rollout.weight_sync` is {cfg.rollout.weight_sync} while `rollout.backend` is vllm; vLLM servers take "
-            "weights over their own RL API, set it to vllm (or auto)."
+            "weights over their own RL API (vllm, or auto) or a LoRA adapter over their LoRA endpoints (adapter)."
         )
+    if cfg.rollout.weight_sync == "adapter" and cfg.rollout.boundary_mode == "inflight":
+        raise ConfigError(
+            "`rollout.weight_update_mode` is inflight while `rollout.weight_sync` is adapter on vllm; vLLM keeps a frozen "
+            "request on the adapter it started with, which the push unloads: use weight_update_mode abort or wait."
+        )
+    if va.max_lora_rank not in VLLM_LORA_RANKS:
+        raise ConfigError(f"`rollout.vllm_args.max_lora_rank` is {va.max_lora_rank!r}; vLLM takes one of "
+                          f"{', '.join(map(str, VLLM_LORA_RANKS))}.")
     if cfg.colocate_offload is True:
         raise ConfigError("`colocate_offload` is true while `rollout.backend` is vllm; the vllm backend does not offload "
                           "its servers (set colocate_offload: false or auto).")
@@ -373,16 +451,24 @@ class VLLMPool(RolloutPool):
         prefix_caching: false passes ``--no-enable-prefix-caching`` (in-flight updates: requests frozen
             across a swap hold their blocks, so ``/reset_prefix_cache`` cannot run and no prefix the
             old weights computed may be served to a new request).
+        lora: serve the trainer's LoRA adapter (``rollout.weight_sync: adapter``): the servers run
+            with ``--enable-lora --max-loras 1 --max-lora-rank <args.max_lora_rank>`` and vLLM's
+            runtime LoRA endpoints, and every request of the pool's clients names the adapter the
+            last push loaded (:meth:`VLLMClient.commit_lora_adapter`); the trainer's first weight
+            sync loads one before any generation.
     """
 
     def __init__(self, plan: VLLMPlan, args: VLLMArgs, num_replicas: int = 1,
                  cpu_cores: Optional[Sequence[Sequence[int]]] = None, context_length: Optional[int] = None,
-                 log_dir: Optional[str] = None, startup_timeout: float = 300.0, prefix_caching: bool = True) -> None:
+                 log_dir: Optional[str] = None, startup_timeout: float = 300.0, prefix_caching: bool = True,
+                 lora: bool = False) -> None:
         super().__init__(plan.model_dir, num_replicas=num_replicas, cpu_cores=cpu_cores, context_length=context_length,
                          startup_timeout=startup_timeout)
         self.plan = plan
         self.args = args
         self.prefix_caching = prefix_caching
+        self.lora = lora
+        self._lora_slot: dict[str, Optional[str]] = {"name": None}  # the adapter the pool's clients name
         self.log_dir = os.path.join(log_dir or tempfile.mkdtemp(prefix="fasync-"), "vllm")
         self._model_dir: Optional[str] = None
         self._own_dir: Optional[str] = None
@@ -413,12 +499,16 @@ class VLLMPool(RolloutPool):
             cmd += ["--max-num-seqs", str(va.max_num_seqs)]
         if va.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", str(va.gpu_memory_utilization)]
+        if self.lora:
+            cmd += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(va.max_lora_rank)]
         from lightning_fasync.fleet.backends import extra_args
 
         return cmd + extra_args(va.extra)
 
     def _env(self, index: int) -> dict[str, str]:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")  # the RL and admin endpoints
+        if self.lora:  # /v1/load_lora_adapter (vLLM serves it only with this set)
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env.pop("PYTHONPATH", None)  # its own interpreter and packages
         if self.plan.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.plan.gpus[index])
@@ -456,6 +546,9 @@ class VLLMPool(RolloutPool):
         return self
 
     def client(self, **kwargs: Any) -> VLLMClient:
+        if self.lora:  # every client names the adapter the last push loaded
+            kwargs.setdefault("lora_slot", self._lora_slot)
+            kwargs.setdefault("max_lora_rank", self.args.max_lora_rank)
         return VLLMClient(self.worker_urls, workers=self.workers, **kwargs)
 
     async def _checksums(self, urls: Sequence[str]) -> list[dict[str, str]]:
@@ -483,6 +576,9 @@ class VLLMPool(RolloutPool):
                 if reported != self.initial_checksums:
                     raise EngineError(f"The restarted vLLM server {url} does not hold the weights the servers started with.")
                 return 0
+            if self.lora:
+                await self._join_adapter(client, url)
+                return self.weights.version
             sync = VLLMWeightSync(client, pause_mode=None, model=self.plan.preset or self.model, check_weights=True,
                                   dtype=self.args.dtype, timeout_s=JOIN_TIMEOUT_S)
             try:
@@ -492,6 +588,33 @@ class VLLMPool(RolloutPool):
             return self.weights.version
         finally:
             await client.close()
+
+    async def _join_adapter(self, client: VLLMClient, url: str) -> None:
+        """A restarted server of a LoRA run: the kept adapter loaded (as every push loads it), then
+        its log-probs of the probe, under the adapter, against the merged weights' own."""
+        from lightning_fasync.weights import wire as weight_wire
+        from lightning_fasync.weights.lora_sync import DEFAULT_LORA_NAME
+        from lightning_fasync.weights.sync import push_kept
+        from lightning_fasync.weights.vllm_sync import TOLERANCE, probe_ids, reference_logprobs, served_logprobs
+
+        kept = self.weights
+        await push_kept(kept, client, timeout_s=JOIN_TIMEOUT_S)  # the adapter path's own load
+        await client.flush_cache()  # no prefix an earlier adapter computed is read by the probe
+        named = kept.named_tensors()
+        embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
+        if embed is None:
+            return
+        ids = probe_ids(int(embed.shape[0]))
+        reference = await asyncio.to_thread(reference_logprobs, self.plan.preset or self.model, named, ids)
+        if reference is None:
+            return
+        served = await served_logprobs(client, url, ids, JOIN_TIMEOUT_S,
+                                       model_name=vllm_lora_name(DEFAULT_LORA_NAME, kept.version))
+        worst = max(abs(a - b) for a, b in zip(served, reference))
+        tolerance = TOLERANCE.get(weight_wire.parse_dtype(self.args.dtype), 0.1)
+        if not worst <= tolerance:
+            raise EngineError(f"The restarted vLLM server {url} does not serve the trainer's adapter: its log-probs of "
+                              f"the probe differ from the merged weights' by up to {worst:.3g} (tolerance {tolerance:g}).")
 
     def stop(self) -> None:
         try:
@@ -511,7 +634,8 @@ def _start_vllm(start: EngineStart) -> VLLMPool:
                     context_length=start.context_length, log_dir=start.log_dir,
                     startup_timeout=start.startup_timeout,
                     prefix_caching=not (start.cfg.rollout.boundary_mode == "inflight"
-                                        and start.cfg.rollout.inflight_kv == "keep")).start()
+                                        and start.cfg.rollout.inflight_kv == "keep"),
+                    lora=start.cfg.rollout.weight_sync == "adapter").start()
 
 
 VLLM = EngineBackend(

@@ -18,9 +18,12 @@ are what the replica holds once it has loaded the adapter onto its base (the eng
 :func:`~lightning_fasync.lora.merged_weights`), for the pool's checksum check.
 
 The embedded engine merges the loaded adapter into the weights it serves to every request
-(``lightning_fasync/engine/lora.py``); SGLang and vLLM apply an adapter only to requests that name
-it, which the rollout requests do not, so this path runs with ``rollout.backend: embedded`` only
-(refused otherwise, :func:`check_adapter_config`).
+(``lightning_fasync/engine/lora.py``). vLLM (``rollout.backend: vllm``) applies an adapter only to
+requests that name it: its servers run with ``--enable-lora`` and the runtime LoRA endpoints, a
+push is vLLM 0.32's ``/v1/load_lora_adapter`` under a name per version
+(:meth:`~lightning_fasync.fleet.vllm.VLLMClient.swap_lora_adapter`), after which every rollout
+request names it as its ``model`` and the previous one is unloaded (``commit_lora_adapter``).
+Other backends are refused (:func:`check_adapter_config`).
 """
 
 from __future__ import annotations
@@ -82,6 +85,13 @@ class AdapterWeightSync(WeightSync):
                 "rollout.weight_sync: adapter sends a LoRA adapter, but the trainer gave full weights; build the module "
                 "with model.lora.sync: adapter (its engine_state_dict() is then an AdapterWeights)."
             )
+        limit = getattr(self.client, "max_lora_rank", None)
+        rank = named_tensors.config.get("r")
+        if limit is not None and isinstance(rank, int) and rank > limit:
+            raise WeightSyncError(
+                f"The trainer's adapter has rank {rank} (model.lora.r) and the vLLM servers accept at most {limit}: "
+                f"set `rollout.vllm_args.max_lora_rank` to at least {rank}."
+            )
         return named_tensors
 
     async def _send(self, staged: Any, version: Optional[int], where: str) -> None:
@@ -98,7 +108,13 @@ class AdapterWeightSync(WeightSync):
                 directory = tempfile.mkdtemp(prefix=f"adapter-v{version}-", dir=root)
                 written[root] = directory
                 await loop.run_in_executor(None, write_adapter_dir, dict(staged), staged.config, directory)
-            await asyncio.gather(*(self._swap(url, written[roots[url]], version, where) for url in urls))
+            swapped = await asyncio.gather(*(self._swap(url, written[roots[url]], version, where) for url in urls))
+            try:
+                await self.rpc.commit_lora_adapter(self.lora_name, version,
+                                                   [u for u, r in zip(urls, swapped) if r is not SKIPPED],
+                                                   self.timeout_s, self.timeout_key)
+            except EngineError as exc:
+                raise WeightSyncError(f"The weight sync of {where} failed: {exc}") from exc
         finally:
             for directory in written.values():  # every engine has read it (or failed)
                 shutil.rmtree(directory, ignore_errors=True)
@@ -128,39 +144,28 @@ class AdapterWeightSync(WeightSync):
         return dict(await asyncio.gather(*(one(u) for u in urls)))
 
     async def _swap(self, url: str, directory: str, version: Optional[int], where: str) -> Any:
-        """Unload the previous adapter on ``url``, load ``directory`` under the same name, set the version.
-        The LoRA calls are the client's own (:meth:`~lightning_fasync.fleet.client.SGLangClient._lora_call`),
-        sent once each: neither is idempotent."""
-        name, rpc = self.lora_name, self.rpc
+        """Load ``directory`` under the adapter's name on ``url`` and set the version, with the
+        engine's own API (the client's ``swap_lora_adapter``: SGLang's unload and load, vLLM's
+        load under the version's name)."""
 
         async def swap() -> None:
             try:
-                path = "/unload_lora_adapter"
-                answer = await rpc._lora_call(url, path, {"lora_name": name}, self.timeout_s, self.timeout_key)
-                if name in (answer.get("loaded_adapters") or {}):  # not loaded (a restart) is no error
-                    rpc._check_lora(url, path, answer)
-                path = "/load_lora_adapter"
-                rpc._check_lora(url, path, await rpc._lora_call(url, path, {"lora_name": name, "lora_path": directory},
-                                                                self.timeout_s, self.timeout_key))
-                if version is not None:
-                    await rpc._request("POST", url + "/update_weight_version",
-                                       {"new_version": str(version), "abort_all_requests": False},
-                                       timeout=self.timeout_s, timeout_key=self.timeout_key)
+                await self.rpc.swap_lora_adapter(url, self.lora_name, directory, version, self.timeout_s,
+                                                 self.timeout_key)
             except EngineError as exc:
                 raise WeightSyncError(f"The weight sync of {where} failed: {exc}") from exc
 
-        result = await self.client._on_worker(url, swap())
-        return None if result is SKIPPED else result
+        return await self.client._on_worker(url, swap())
 
 
 def check_adapter_config(cfg: Any) -> None:
     """Refuse what the adapter path cannot run (part of ``config.validate``)."""
     backend = getattr(cfg.rollout, "backend", "embedded")
-    if backend != "embedded":
+    if backend not in ("embedded", "vllm"):
         raise ConfigError(
-            f"`rollout.weight_sync` is adapter while `rollout.backend` is {backend}; only the embedded engine serves "
-            "every request with the loaded adapter (SGLang and vLLM apply it only to requests that name it, which the "
-            "rollout requests do not yet): use model.lora.sync: merged there."
+            f"`rollout.weight_sync` is adapter while `rollout.backend` is {backend}; the embedded engine and the vllm "
+            "backend serve every rollout request with the loaded adapter (the plugin starts them so, and names it), "
+            "other engines are not: use model.lora.sync: merged there."
         )
     if getattr(cfg, "colocate_offload", False) is True:
         raise ConfigError(

@@ -82,10 +82,14 @@ def reference_logprobs(model: str, named: Mapping[str, torch.Tensor], ids: Seque
     return [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 
-async def served_logprobs(client: Any, url: str, ids: Sequence[int], timeout_s: float) -> list[float]:
-    """The same log-probs as one vLLM server computes them (``/v1/completions`` with ``prompt_logprobs``)."""
-    model = await client._request("GET", url + "/v1/models", timeout=timeout_s)
-    name = model["data"][0]["id"]
+async def served_logprobs(client: Any, url: str, ids: Sequence[int], timeout_s: float,
+                          model_name: Optional[str] = None) -> list[float]:
+    """The same log-probs as one vLLM server computes them (``/v1/completions`` with
+    ``prompt_logprobs``), under the served model, or the loaded LoRA adapter ``model_name``."""
+    name = model_name
+    if name is None:
+        model = await client._request("GET", url + "/v1/models", timeout=timeout_s)
+        name = model["data"][0]["id"]
     answer = await client._request("POST", url + "/v1/completions", {
         "model": name, "prompt": list(ids), "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}, timeout=timeout_s)
     entries = answer["choices"][0]["prompt_logprobs"][1:]

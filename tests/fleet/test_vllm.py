@@ -4,6 +4,7 @@ line and environment, and the registry entries. ``tests/integration/test_vllm*.p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 
 from lightning_fasync.config import ConfigError, VLLMArgs, load_config, validate
 from lightning_fasync.fleet.vllm import CPU_HEAD_SIZES, VLLMPlan, VLLMPool, parse_vllm_response, prepare_vllm
-from lightning_fasync.pipeline.engine_client import EngineError
+from lightning_fasync.pipeline.engine_client import EngineError, GenerateRequest, SamplingParams
 from lightning_fasync.registry import ENGINE_BACKENDS, WEIGHT_PATHS
 from lightning_fasync.weights.sync import resolve_weight_sync
 
@@ -66,6 +67,7 @@ def test_the_vllm_backend_and_weight_path_are_registered_and_auto_picks_vllms_ap
     ({"vllm_args": {"weight_transfer": "nccl"}}, r"`rollout.vllm_args.weight_transfer` is 'nccl'"),
     ({"vllm_args": {"dtype": "int8"}}, r"`rollout.vllm_args.dtype` is 'int8'"),
     ({"vllm_args": {"kv_cache_gib": 0}}, r"`rollout.vllm_args.kv_cache_gib` is 0"),
+    ({"vllm_args": {"max_lora_rank": 12}}, r"`rollout.vllm_args.max_lora_rank` is 12; vLLM takes one of 1, 8, 16"),
 ])
 def test_what_vllm_cannot_run_is_refused_naming_the_key(rollout, match):
     with pytest.raises(ConfigError, match=match):
@@ -109,6 +111,33 @@ def test_the_server_command_line_and_environment(tmp_path):
     env = pool._env(0)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1,2"
+
+
+def test_the_adapter_path_starts_the_servers_with_lora_and_every_request_names_the_adapter(tmp_path):
+    from lightning_fasync.fleet.vllm import VLLMClient
+
+    validate(cfg(weight_sync="adapter"))  # the adapter path runs on vLLM's LoRA endpoints
+    pool = VLLMPool(VLLMPlan("/venv/bin/python", str(tmp_path), None, None), VLLMArgs(max_lora_rank=32),
+                    log_dir=str(tmp_path), lora=True)
+    cmd = pool.command(8123)
+    flags = {a: cmd[i + 1] if i + 1 < len(cmd) else None for i, a in enumerate(cmd) if a.startswith("--")}
+    assert "--enable-lora" in flags and flags["--max-loras"] == "1" and flags["--max-lora-rank"] == "32"
+    assert pool._env(0)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    plain = VLLMPool(VLLMPlan("/venv/bin/python", str(tmp_path), None, None), VLLMArgs(), log_dir=str(tmp_path))
+    assert "--enable-lora" not in plain.command(8123) and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain._env(0)
+
+    sent = []
+
+    class Recording(VLLMClient):
+        async def _generate(self, request, body):
+            sent.append(body)
+            return None
+
+    client = Recording(["http://a:1"], lora_name="policy", max_lora_rank=32)
+    asyncio.run(client.generate(GenerateRequest("r", [1, 2], SamplingParams(max_new_tokens=2))))
+    assert sent[-1]["model"] == "policy" and client.clone().lora_name == "policy"
+    asyncio.run(Recording(["http://a:1"]).generate(GenerateRequest("s", [1, 2], SamplingParams(max_new_tokens=2))))
+    assert "model" not in sent[-1]
 
 
 def test_each_request_goes_to_the_least_busy_serving_server():

@@ -163,6 +163,20 @@ async def running(client, url):
     return float(found.group(1)) if found else 0.0
 
 
+async def generated(client, url):
+    """vLLM's ``vllm:generation_tokens`` counter (tokens decoded so far), from its ``/metrics``."""
+    text = await client._request("GET", url + "/metrics")
+    return sum(float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} (\S+)$", text, re.MULTILINE))
+
+
+async def decoding(client, url, since, tokens, what):
+    """Until vLLM has decoded ``tokens`` more than ``since`` (within 120 s)."""
+    deadline = asyncio.get_running_loop().time() + 120
+    while await generated(client, url) < since + tokens:
+        assert asyncio.get_running_loop().time() < deadline, f"vLLM did not decode {what}"
+        await asyncio.sleep(0.005)
+
+
 def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_after_an_update(engines):
     """What rollout.partial does on vLLM: the pause before a sync aborts a long request, which comes
     back with the tokens it has (labelled with the version that sampled them); after the update it
@@ -175,23 +189,21 @@ def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_
         sync = VLLMWeightSync(pool.client(), model="tiny-hd32", timeout_s=120)
         try:
             await sync.push(perturbed(model, 6), 6)
-            # 64 long requests decode together; the sync's pause comes while they run.
+            # 64 long requests decode together; the sync's pause comes while they run: once vLLM
+            # has decoded a few tokens of each (a request sent while the server is paused would
+            # wait for the resume, whole), not after a fixed sleep, which a fast server outruns.
+            url = pool.worker_urls[0]
+            since = await generated(client, url)
             batch = prompts(3) + prompts(5)
             longs = [asyncio.ensure_future(client.generate(GenerateRequest(
                 f"long-{i}", p, SamplingParams(max_new_tokens=LONG, temperature=1.0, ignore_eos=True))))
                 for i, p in enumerate(batch)]
-            # Until vLLM runs them (a request sent while the server is paused would wait for the
-            # resume, whole), then a moment for their first tokens.
-            deadline = asyncio.get_running_loop().time() + 120
-            while await running(client, pool.worker_urls[0]) < len(batch):
-                assert asyncio.get_running_loop().time() < deadline, "vLLM did not run the requests"
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.2)
+            await decoding(client, url, since, 4 * len(batch), "the requests")
             t0 = asyncio.get_running_loop().time()
             finished_before = sum(f.done() for f in longs)
             await sync.push(weights, 7)
             done = await asyncio.gather(*longs)
-            aborted = [(p, r) for p, r in zip(batch, done) if r.finish_reason == "abort"]
+            aborted = [(p, r) for p, r in zip(batch, done) if r.finish_reason == "abort" and r.output_ids]
             assert aborted, ([(r.finish_reason, len(r.output_ids), r.weight_versions[-1:]) for r in done],
                              finished_before, asyncio.get_running_loop().time() - t0)
             prompt, first = aborted[0]
@@ -230,15 +242,19 @@ def test_an_inflight_update_freezes_the_requests_and_keeps_or_recomputes_their_k
                               pause_mode={"keep": "in_place", "recompute": "retract"}[kv])
         try:
             await sync.push(old_w, 8)
+            url = pool.worker_urls[0]
+            since = await generated(client, url)
             batch = prompts(11)[:n]
             longs = [asyncio.ensure_future(client.generate(GenerateRequest(
                 f"{kv}-{i}", p, SamplingParams(max_new_tokens=LONG, temperature=1.0, ignore_eos=True))))
                 for i, p in enumerate(batch)]
+            # Every request running and a few tokens of each decoded, then the swap at once (an 8 x
+            # 480-token batch decodes in well under a second on an idle core).
             deadline = asyncio.get_running_loop().time() + 120
-            while await running(client, pool.worker_urls[0]) < n:
+            while await running(client, url) < n:
                 assert asyncio.get_running_loop().time() < deadline, "vLLM did not run the requests"
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.2)
+                await asyncio.sleep(0.005)
+            await decoding(client, url, since, 4 * n, "the requests")
             await sync.push(new_w, 9)
             return batch, await asyncio.gather(*longs)
         finally:

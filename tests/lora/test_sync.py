@@ -224,6 +224,7 @@ def test_full_weights_over_the_adapter_path_are_refused():
 def test_the_config_refuses_what_the_adapter_path_cannot_run():
     with pytest.raises(ConfigError, match="`rollout.weight_sync` is adapter while `rollout.backend` is sglang"):
         validate(load_config({"rollout": {"weight_sync": "adapter", "backend": "sglang"}}))
+    validate(load_config({"rollout": {"weight_sync": "adapter", "backend": "vllm"}}))  # vLLM's LoRA endpoints
     cfg = load_config({"rollout": {"weight_sync": "adapter"}})
     validate(cfg)
     with pytest.raises(ConfigError, match="`rollout.weight_sync` is adapter while `model.lora` is not set"):
