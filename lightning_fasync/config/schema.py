@@ -310,6 +310,10 @@ class SGLangArgs:
     port: Optional[int] = None
     """``rollout.backend: sglang`` only: port of the first server on 127.0.0.1 (server i listens on
     port + i); None: free ports."""
+    max_lora_rank: int = 16
+    """``rollout.backend: sglang`` with ``rollout.weight_sync: adapter`` only: the largest LoRA rank
+    the servers accept (SGLang ``--max-lora-rank``); must be at least ``model.lora.r`` (a push of a
+    larger adapter is refused naming this key)."""
     extra: Union[dict[str, Any], list[str]] = field(default_factory=dict)
     """``rollout.backend: sglang`` only: more ``sglang.launch_server`` arguments, passed through
     verbatim: a list of command-line tokens (``["--ep-size", "4"]``), or a dict where ``ep_size: 4``

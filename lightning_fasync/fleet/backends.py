@@ -58,6 +58,9 @@ PLUGIN_FLAGS: dict[str, str] = {
     "--mem-fraction-static": "`rollout.sglang_args.mem_fraction_static`",
     "--weight-version": "`rollout.sglang_args.weight_version`",
     "--context-length": "`rollout.sglang_args.context_length`",
+    "--enable-lora": "`rollout.weight_sync: adapter`",
+    "--max-lora-rank": "`rollout.sglang_args.max_lora_rank`",
+    "--lora-target-modules": "`rollout.weight_sync: adapter` (all)",
 }
 """``sglang.launch_server`` flags the plugin sets itself, and from what (not allowed in ``extra``)."""
 
@@ -366,13 +369,16 @@ class SGLangPool(_UnsupervisedPool):
         log_dir: the run's log directory; each server logs to ``<log_dir>/sglang/<kind>-<i>.log``.
         startup_timeout: seconds each server has to answer ``/health`` (``rollout.engine_startup_timeout``).
         server_args: flags the run needs on every server, added unless ``args.extra`` has them.
+        lora_rank: the adapter path (``rollout.weight_sync: adapter``): the servers' ``--max-lora-rank``;
+            every client of the pool then names the trainer's adapter in each ``/generate``.
     """
 
     def __init__(self, model: str, replicas: Sequence[Any], args: SGLangArgs, context_length: Optional[int] = None,
                  log_dir: Optional[str] = None, startup_timeout: float = 180.0, router_policy: str = "round_robin",
                  server_args: Sequence[str] = (), placement: Any = None,
-                 gpus_per_replica: Optional[dict[str, int]] = None) -> None:
+                 gpus_per_replica: Optional[dict[str, int]] = None, lora_rank: Optional[int] = None) -> None:
         super().__init__()
+        self.lora_rank = lora_rank
         self.placement = placement
         self.gpus_per_replica = gpus_per_replica or {}
         if placement is not None:
@@ -434,6 +440,16 @@ class SGLangPool(_UnsupervisedPool):
             self.stop()
             raise
         return self
+
+    def client(self, **kwargs: Any) -> Any:
+        if self.lora_rank is not None:
+            from lightning_fasync.weights.lora_sync import DEFAULT_LORA_NAME
+
+            kwargs.setdefault("lora_name", DEFAULT_LORA_NAME)
+        client = super().client(**kwargs)
+        if self.lora_rank is not None:
+            client.max_lora_rank, client.max_lora_rank_key = self.lora_rank, "rollout.sglang_args.max_lora_rank"
+        return client
 
     def stop(self) -> None:
         """Stop the router, then every server (SIGTERM, SIGKILL after a grace period), then SIGKILL
@@ -593,6 +609,16 @@ def check_embedded_config(cfg: FasyncConfig) -> None:
             )
 
 
+def sglang_lora_args(cfg: FasyncConfig) -> list[str]:
+    """SGLang's LoRA serving for the adapter path (``rollout.weight_sync: adapter``): ``--enable-lora``,
+    ``--max-lora-rank`` (``rollout.sglang_args.max_lora_rank``) and every module a target; the pool's
+    clients then name the trainer's adapter in each ``/generate`` (the first weight sync loads it
+    before any generation). Nothing otherwise."""
+    if cfg.rollout.weight_sync != "adapter":
+        return []
+    return ["--enable-lora", "--max-lora-rank", str(cfg.rollout.sglang_args.max_lora_rank), "--lora-target-modules", "all"]
+
+
 def _start_sglang(start: EngineStart) -> "SGLangPool":
     assert start.engine_model and start.prepared is not None
     ro = start.cfg.rollout
@@ -604,9 +630,11 @@ def _start_sglang(start: EngineStart) -> "SGLangPool":
         from lightning_fasync.fleet.ray_placement import RayPlacement
 
         placement = RayPlacement(start.cfg, start.log_dir)
+    lora = sglang_lora_args(start.cfg)
     return SGLangPool(start.engine_model, start.prepared, ro.sglang_args,
                       context_length=start.context_length, log_dir=start.log_dir,
-                      startup_timeout=start.startup_timeout, server_args=[*start.server_args, *radix],
+                      startup_timeout=start.startup_timeout, server_args=[*start.server_args, *radix, *lora],
+                      lora_rank=ro.sglang_args.max_lora_rank if lora else None,
                       placement=placement,
                       gpus_per_replica={k: v.num_gpus_per_replica for k, v in ro.sglang_replicas.items()}).start()
 

@@ -195,6 +195,8 @@ class SGLangClient(EngineClient):
         self._has_update_bracket: Optional[bool] = None  # probed once: SGLang >= 0.5.23 has it
         self.protocols: Optional[list[ServerProtocol]] = None  # per worker, from detect_protocol()
         self.lora_name = lora_name
+        self.max_lora_rank: Optional[int] = None  # the servers' largest LoRA rank, where they have one
+        self.max_lora_rank_key = "rollout.sglang_args.max_lora_rank"  # the key that sets it
 
     @property
     def worker_urls(self) -> list[str]:

@@ -121,7 +121,7 @@ class VLLMClient(SGLangClient):
         if kwargs.get("lora_name") is None:
             kwargs["lora_name"] = self._lora_slot["name"]
         super().__init__(*args, **kwargs)
-        self.max_lora_rank = max_lora_rank
+        self.max_lora_rank, self.max_lora_rank_key = max_lora_rank, "rollout.vllm_args.max_lora_rank"
         self._where: dict[str, str] = {}  # rid -> the server it went to
 
     @property
@@ -339,11 +339,6 @@ def check_vllm_config(cfg: FasyncConfig) -> None:
         raise ConfigError(
             f"`rollout.weight_sync` is {cfg.rollout.weight_sync} while `rollout.backend` is vllm; vLLM servers take "
             "weights over their own RL API (vllm, or auto) or a LoRA adapter over their LoRA endpoints (adapter)."
-        )
-    if cfg.rollout.weight_sync == "adapter" and cfg.rollout.boundary_mode == "inflight":
-        raise ConfigError(
-            "`rollout.weight_update_mode` is inflight while `rollout.weight_sync` is adapter on vllm; vLLM keeps a frozen "
-            "request on the adapter it started with, which the push unloads: use weight_update_mode abort or wait."
         )
     if va.max_lora_rank not in VLLM_LORA_RANKS:
         raise ConfigError(f"`rollout.vllm_args.max_lora_rank` is {va.max_lora_rank!r}; vLLM takes one of "

@@ -23,7 +23,8 @@ requests that name it: its servers run with ``--enable-lora`` and the runtime Lo
 push is vLLM 0.32's ``/v1/load_lora_adapter`` under a name per version
 (:meth:`~lightning_fasync.fleet.vllm.VLLMClient.swap_lora_adapter`), after which every rollout
 request names it as its ``model`` and the previous one is unloaded (``commit_lora_adapter``).
-Other backends are refused (:func:`check_adapter_config`).
+SGLang (``rollout.backend: sglang``) is started with ``--enable-lora`` and every ``/generate`` names
+the adapter (``lora_path``). Servers someone else runs are refused (:func:`check_adapter_config`).
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ class AdapterWeightSync(WeightSync):
         rank = named_tensors.config.get("r")
         if limit is not None and isinstance(rank, int) and rank > limit:
             raise WeightSyncError(
-                f"The trainer's adapter has rank {rank} (model.lora.r) and the vLLM servers accept at most {limit}: "
-                f"set `rollout.vllm_args.max_lora_rank` to at least {rank}."
+                f"The trainer's adapter has rank {rank} (model.lora.r) and the servers accept at most {limit}: "
+                f"set `{self.client.max_lora_rank_key}` to at least {rank}."
             )
         return named_tensors
 
@@ -160,12 +161,18 @@ class AdapterWeightSync(WeightSync):
 
 def check_adapter_config(cfg: Any) -> None:
     """Refuse what the adapter path cannot run (part of ``config.validate``)."""
-    backend = getattr(cfg.rollout, "backend", "embedded")
-    if backend not in ("embedded", "vllm"):
+    ro = cfg.rollout
+    backend = getattr(ro, "backend", "embedded")
+    if backend not in ("embedded", "vllm", "sglang"):
         raise ConfigError(
-            f"`rollout.weight_sync` is adapter while `rollout.backend` is {backend}; the embedded engine and the vllm "
-            "backend serve every rollout request with the loaded adapter (the plugin starts them so, and names it), "
-            "other engines are not: use model.lora.sync: merged there."
+            f"`rollout.weight_sync` is adapter while `rollout.backend` is {backend}; the plugin starts the embedded, "
+            "sglang and vllm servers to serve every rollout request with the loaded adapter, servers someone else "
+            "runs it cannot: use model.lora.sync: merged there."
+        )
+    if backend != "embedded" and getattr(ro, "boundary_mode", None) == "inflight":
+        raise ConfigError(
+            f"`rollout.weight_update_mode` is inflight while `rollout.weight_sync` is adapter on {backend}; a frozen "
+            "request stays on the adapter it started with, which the push replaces: use weight_update_mode abort or wait."
         )
     if getattr(cfg, "colocate_offload", False) is True:
         raise ConfigError(

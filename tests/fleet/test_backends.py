@@ -32,7 +32,8 @@ from lightning_fasync.fleet.resources import plan_cpu_resources, plan_rollout_gp
 from lightning_fasync.pipeline.engine_client import EngineError
 from lightning_fasync.fleet import backends
 from lightning_fasync.fleet.backends import (
-    EMBEDDED_ONLY_FLAGS, PLUGIN_FLAGS, SGLangPool, check_sglang_backend, extra_args, sglang_server_command,
+    EMBEDDED_ONLY_FLAGS, PLUGIN_FLAGS, SGLangPool, check_sglang_backend, extra_args, sglang_lora_args,
+    sglang_server_command,
 )
 from lightning_fasync.fleet.client import SGLangClient, server_protocol
 from lightning_fasync.fleet.launch import ServerStartError, free_port
@@ -219,8 +220,11 @@ def test_the_launch_command_parses_with_sglangs_own_server_args():
     """Every flag the plugin writes is one of SGLang's, with the value meant; the embedded-only
     flags are exactly the embedded server's flags SGLang lacks."""
     args = SGLangArgs(max_running_requests=8, mem_fraction_static=0.7, weight_version="3",
-                      extra={"ep_size": 2, "enable_memory_saver": True})
-    cmd = sglang_server_command("models/m", args, port=31000, tp_size=4, nccl_port=31500, context_length=2048)
+                      extra={"ep_size": 2, "enable_memory_saver": True}, max_lora_rank=32)
+    adapter = validate(load_config({"rollout": {"backend": "sglang", "weight_sync": "adapter",
+                                                "sglang_args": {"max_lora_rank": 32}}}))
+    cmd = sglang_server_command("models/m", args, port=31000, tp_size=4, nccl_port=31500,
+                                context_length=2048) + sglang_lora_args(adapter)
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
     script = textwrap.dedent("""
         import argparse, json, sys
@@ -232,7 +236,7 @@ def test_the_launch_command_parses_with_sglangs_own_server_args():
         ServerArgs.add_cli_args(parser)
         ns = parser.parse_args(json.loads(sys.argv[2]))
         flags = sorted(s for a in parser._actions for s in a.option_strings)
-        print(json.dumps({"parsed": {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool))},
+        print(json.dumps({"parsed": {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list))},
                           "flags": flags}))
     """)
     proc = subprocess.run([sys.executable, "-c", script, HELPERS, json.dumps(cmd[3:])], capture_output=True, text=True,
@@ -245,6 +249,8 @@ def test_the_launch_command_parses_with_sglangs_own_server_args():
     assert parsed["skip_server_warmup"] is True and parsed["max_running_requests"] == 8
     assert parsed["mem_fraction_static"] == 0.7 and parsed["weight_version"] == "3" and parsed["context_length"] == 2048
     assert parsed["ep_size"] == 2 and parsed["enable_memory_saver"] is True
+    # The adapter path: SGLang's LoRA serving, every module a target, the configured largest rank.
+    assert parsed["enable_lora"] is True and parsed["max_lora_rank"] == 32 and parsed["lora_target_modules"] == ["all"]
     sglang_flags = set(out["flags"])
     assert set(PLUGIN_FLAGS) <= sglang_flags
     assert embedded_server_flags() - sglang_flags == set(EMBEDDED_ONLY_FLAGS)
@@ -412,11 +418,33 @@ def consecutive_free_ports(n: int) -> int:
     raise RuntimeError("no consecutive free ports")
 
 
+def test_an_adapter_runs_sglang_pool_clients_name_the_adapter():
+    pool = SGLangPool("m", [], SGLangArgs(), lora_rank=16)
+    pool.worker_urls = ["http://a:1"]
+    client = pool.client()
+    assert client.lora_name == "policy" and client.max_lora_rank == 16
+    assert client.max_lora_rank_key == "rollout.sglang_args.max_lora_rank"
+    plain = SGLangPool("m", [], SGLangArgs())
+    plain.worker_urls = ["http://a:1"]
+    assert plain.client().lora_name is None and plain.client().max_lora_rank is None
+    assert sglang_lora_args(validate(load_config({"rollout": {"backend": "sglang"}}))) == []
+    with pytest.raises(ConfigError, match=r"`rollout.weight_update_mode` is inflight while `rollout.weight_sync` is "
+                                          r"adapter on sglang"):
+        validate(load_config({"rollout": {"backend": "sglang", "weight_sync": "adapter", "partial": True,
+                                          "weight_update_mode": "inflight"}}))
+    with pytest.raises(ConfigError, match=r"`rollout.sglang_args.extra` sets --max-lora-rank"):
+        validate(load_config({"rollout": {"backend": "sglang", "sglang_args": {"extra": ["--max-lora-rank", "8"]}}}))
+
+
 @pytest.mark.slow
-def test_fit_with_the_sglang_backend_end_to_end_on_cpu(tiny_dir, tmp_path):
+@pytest.mark.parametrize("sync", ["full", "adapter"])
+def test_fit_with_the_sglang_backend_end_to_end_on_cpu(tiny_dir, tmp_path, sync):
     """``lightning-fasync fit`` with ``rollout.backend: sglang``: two FAKE sglang servers on the GPUs
     the plan gives them and the real sglang-router in front; the run trains; every process is gone
-    after teardown."""
+    after teardown. ``adapter``: ``model.lora.sync: adapter`` over ``rollout.weight_sync: adapter``,
+    the servers started with SGLang's LoRA flags, the adapter loaded through SGLang's
+    ``/unload_lora_adapter`` and ``/load_lora_adapter`` and named by every ``/generate`` (the embedded
+    engine behind the fake refuses a request naming an adapter it has not loaded)."""
     port = consecutive_free_ports(2)
     config = {
         "seed_everything": 1, "colocate": False,
@@ -430,6 +458,9 @@ def test_fit_with_the_sglang_backend_end_to_end_on_cpu(tiny_dir, tmp_path):
                                     "port": port, "extra": {"ep_size": 1, "enable_memory_saver": True}}},
         "model": {"model": tiny_dir, "lr": 0.001},
     }
+    if sync == "adapter":
+        config["model"]["lora"] = {"r": 8, "alpha": 16.0, "sync": "adapter"}
+        config["rollout"]["weight_sync"] = "adapter"
     path = tmp_path / "sglang_cpu.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     record = tmp_path / "record.jsonl"
@@ -450,8 +481,9 @@ def test_fit_with_the_sglang_backend_end_to_end_on_cpu(tiny_dir, tmp_path):
         context = argv[argv.index("--context-length") + 1]
         expected = sglang_server_command(tiny_dir, SGLangArgs(**config["rollout"]["sglang_args"]), port + i, tp_size=1,
                                          nccl_port=int(nccl), context_length=int(context))
-        assert argv == expected[3:]
-        assert argv[-3:] == ["--ep-size", "1", "--enable-memory-saver"]
+        lora = ["--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "all"] if sync == "adapter" else []
+        assert argv == expected[3:] + lora
+        assert argv[len(argv) - len(lora) - 3:len(argv) - len(lora)] == ["--ep-size", "1", "--enable-memory-saver"]
     assert int(context) > 12
     (log_dir,) = glob.glob(str(tmp_path / "lightning_logs" / "version_*"))
     assert sorted(os.listdir(os.path.join(log_dir, "sglang"))) == ["regular-0.log", "regular-1.log", "router.log"]
@@ -460,6 +492,8 @@ def test_fit_with_the_sglang_backend_end_to_end_on_cpu(tiny_dir, tmp_path):
     ledger = [json.loads(line) for line in open(os.path.join(log_dir, "ledger.jsonl"))]
     consumed = [r for r in ledger if r["kind"] == "consume"]
     assert len(consumed) == 2 * 4 and {r["step"] for r in consumed} == {0, 1}
+    if sync == "adapter":
+        assert "weight sync `adapter`" in proc.stdout + proc.stderr
     # Teardown stopped everything: the servers, their watchdogs, the router and its supervisor.
     assert wait_gone([r["pid"] for r in recs], timeout=30) == []
     assert procs_mentioning(tiny_dir, f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}") == []

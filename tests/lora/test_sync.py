@@ -222,9 +222,11 @@ def test_full_weights_over_the_adapter_path_are_refused():
 
 
 def test_the_config_refuses_what_the_adapter_path_cannot_run():
-    with pytest.raises(ConfigError, match="`rollout.weight_sync` is adapter while `rollout.backend` is sglang"):
-        validate(load_config({"rollout": {"weight_sync": "adapter", "backend": "sglang"}}))
-    validate(load_config({"rollout": {"weight_sync": "adapter", "backend": "vllm"}}))  # vLLM's LoRA endpoints
+    with pytest.raises(ConfigError, match="`rollout.weight_sync` is adapter while `rollout.backend` is external"):
+        validate(load_config({"rollout": {"weight_sync": "adapter", "backend": "external",
+                                          "engine_urls": ["http://h:1"]}}))
+    for backend in ("vllm", "sglang"):  # the plugin starts them with their LoRA serving
+        validate(load_config({"rollout": {"weight_sync": "adapter", "backend": backend}}))
     cfg = load_config({"rollout": {"weight_sync": "adapter"}})
     validate(cfg)
     with pytest.raises(ConfigError, match="`rollout.weight_sync` is adapter while `model.lora` is not set"):
