@@ -42,27 +42,45 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--mode", required=True, help="a mode of benchmarks/speedup.py, by name")
     parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--baseline", required=True, help="a speedup.py output directory with colocate's raw runs")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--baseline", help="a speedup.py output directory with colocate's raw runs")
+    source.add_argument("--colocate-steps", type=int,
+                        help="run colocate here too, this many steps per seed, each seed's two runs back to back")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="with --colocate-steps")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                        help="everything after it goes to the mode's fit commands (not colocate's)")
     args = parser.parse_args(argv)
-    overrides = dict(MODES)[args.mode]
-    base = [r for r in (json.load(open(p)) for p in sorted(glob.glob(os.path.join(args.baseline, "raw", "*.json"))))
-            if r["mode"] == "colocate"]
-    if not base or any(b.get("seed") is None for b in base):
-        raise SystemExit(f"{args.baseline}: no colocate runs with their own seeds (run speedup.py with --seed-per-round).")
-    target = statistics.median(statistics.fmean(b["reward"][-10:]) for b in base)
+    overrides = [*dict(MODES)[args.mode], *args.extra]
+    if args.baseline:
+        base = [r for r in (json.load(open(p)) for p in sorted(glob.glob(os.path.join(args.baseline, "raw", "*.json"))))
+                if r["mode"] == "colocate"]
+        if not base or any(b.get("seed") is None for b in base):
+            raise SystemExit(f"{args.baseline}: no colocate runs with their own seeds (run speedup.py with --seed-per-round).")
     info = {**record(), "command": "python benchmarks/learning.py " + shlex.join(argv)}
     warning = check_load(info)
     os.makedirs(os.path.join(args.out, "raw"), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="learning-")
     t0 = time.perf_counter()
     rows = []
+    config = os.path.abspath(args.config)
     try:
-        for b in base:
-            run = run_one(args.mode, overrides, b["round"], args.steps, tmp, [], config=os.path.abspath(args.config),
-                          seed=b["seed"])
-            with open(os.path.join(args.out, "raw", f"{b['seed']}.json"), "w") as fh:
+        runs = []
+        for rnd, seed in enumerate([b["seed"] for b in base] if args.baseline else args.seeds):
+            if args.baseline:
+                b = next(b for b in base if b["seed"] == seed)
+            else:
+                b = run_one("colocate", dict(MODES)["colocate"], rnd, args.colocate_steps, tmp, [], config=config, seed=seed)
+                with open(os.path.join(args.out, "raw", f"colocate-{seed}.json"), "w") as fh:
+                    json.dump(b, fh)
+            run = run_one(args.mode, overrides, rnd, args.steps, tmp, [], config=config, seed=seed)
+            with open(os.path.join(args.out, "raw", f"{seed}.json"), "w") as fh:
                 json.dump(run, fh)
+            runs.append((b, run))
+            print(f"seed {seed}: colocate and {args.mode} done", flush=True)
+        base = [b for b, _ in runs]
+        target = statistics.median(statistics.fmean(b["reward"][-10:]) for b in base)
+        for b, run in runs:
             col = wall_to_reward(b["reward"], b["step_end_s"], target)
             mode = wall_to_reward(run["reward"], run["step_end_s"], target)
             rows.append({"seed": b["seed"], "colocate_s": col, "mode_s": mode, "colocate_end_s": b["step_end_s"][-1],
@@ -74,13 +92,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     info["load_after"] = os.getloadavg()
     fmt = lambda x: "not reached" if x is None else f"{x:.0f} s"  # noqa: E731
     lines = [f"Target: colocate's median final reward {target:.3f} (mean of its last 10 steps, over seeds "
-             f"{', '.join(str(r['seed']) for r in rows)}). Colocate: {base[0]['steps']} steps (from {args.baseline}); "
-             f"{args.mode}: {args.steps} steps.", "",
+             f"{', '.join(str(r['seed']) for r in rows)}). Colocate: {base[0]['steps']} steps "
+             f"({'from ' + args.baseline if args.baseline else 'run here, before the mode, per seed'}); "
+             f"{args.mode}: {args.steps} steps{(' (' + shlex.join(args.extra) + ')') if args.extra else ''}.", "",
              "| seed | colocate: wall-clock to target | its run | " + args.mode + ": wall-clock to target | its run | "
              "final reward: colocate / mode |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['seed']} | {fmt(r['colocate_s'])} | {r['colocate_end_s']:.0f} s | {fmt(r['mode_s'])} | "
                      f"{r['mode_end_s']:.0f} s | {r['colocate_final']:.3f} / {r['mode_final']:.3f} |")
+    lines += ["", f"Reached the target: colocate in {sum(r['colocate_s'] is not None for r in rows)} of {len(rows)} seeds, "
+                  f"{args.mode} in {sum(r['mode_s'] is not None for r in rows)} of {len(rows)}; sooner than colocate's "
+                  f"run (a run that never reaches it counts as never): {args.mode} in "
+                  f"{sum(_sooner(r['mode_s'], r['colocate_s']) for r in rows)} of {len(rows)} seeds."]
     reached = [r for r in rows if r["colocate_s"] is not None and r["mode_s"] is not None]
     if reached:
         med_c = statistics.median(r["colocate_s"] for r in reached)
@@ -92,6 +115,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         fh.write(text)
     _plot(rows, args.mode, target, os.path.join(args.out, "reward.png"))
     print(text)
+
+
+def _sooner(a: Optional[float], b: Optional[float]) -> bool:
+    """Whether a wall-clock ``a`` comes before ``b`` (None: never)."""
+    return a is not None and (b is None or a < b)
 
 
 def _plot(rows: list[dict[str, Any]], mode: str, target: float, path: str) -> None:

@@ -1,12 +1,14 @@
 """Learning parity: does fully-async learn as well as colocate, per step and per second?
 
-Runs the embedded default (`configs/tiny_cpu.yaml`) through `lightning-fasync fit` in two modes,
+Runs the embedded default (`configs/tiny_cpu.yaml`) through `lightning-fasync fit` in four modes,
 several seeds each, one run at a time and interleaved by seed (colocate s1, fully-async s1,
 colocate s2, ...) so that a drift in the machine's load touches both modes alike:
 
 - colocate: `--colocate=true --fully_async.enable=false --rollout.partial=false`;
-- fully-async (default): the config as it stands (windowed-fifo, stale_steps 0, partial rollout,
-  IS correction).
+- fully-async, abort and resume: the config as it stands (windowed-fifo, stale_steps 0, partial
+  rollout, IS correction), its boundary named (`--rollout.weight_update_mode=abort`);
+- fully-async, in-flight updates and boundary waits: the same with the other two boundaries
+  (`--rollout.weight_update_mode=inflight`; `--rollout.partial=false --rollout.weight_update_mode=wait`).
 
 Each run is seeded with `--seed_everything=SEED --data_source.seed=SEED`. From each run's
 TensorBoard scalars it takes `rollout/reward_mean`, `timing/step` (wall-clock = their cumulative
@@ -69,7 +71,9 @@ from _machine import record as machine  # noqa: E402
 BASELINE = "colocate"
 MODES: list[tuple[str, list[str]]] = [
     ("colocate", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"]),
-    ("fully-async (default)", []),
+    ("fully-async, in-flight updates", ["--rollout.weight_update_mode=inflight"]),
+    ("fully-async, abort and resume", ["--rollout.weight_update_mode=abort"]),
+    ("fully-async, boundary waits", ["--rollout.partial=false", "--rollout.weight_update_mode=wait"]),
 ]
 STALE_STEPS = (0, 1, 2, 4)
 CORRECTIONS: list[tuple[str, list[str]]] = [

@@ -82,20 +82,26 @@ BASELINE = "colocate"
 _CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 SHARED = [f"--trainer.strategy.init_args.trainer_cores=[{','.join(map(str, _CORES))}]",
           f"--trainer.strategy.init_args.rollout_cores=[{','.join(map(str, _CORES))}]"]
+# The spec's experiments abort and resume at the boundary (rollout.partial: true); the shipped configs'
+# weight_update_mode: auto reads in-flight updates there, so the spec's rows name abort.
+ABORT = ["--rollout.weight_update_mode=abort"]
 MODES: list[tuple[str, list[str]]] = [
     ("colocate", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"]),
     ("colocate + partial", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
                             f"--rollout.sampler.num_oversample={B // 4}"]),
-    ("fully-async (default)", []),
-    ("fully-async, shared cores", SHARED),
-    ("fully-async no-window, stale 1.0", ["--fully_async.sliding_window=no-window", "--fully_async.stale_steps=1.0"]),
-    ("fully-async windowed-fifo, stale 1.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=1.0"]),
-    ("fully-async windowed-fifo, stale 2.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=2.0"]),
-    ("fully-async window-gated, stale 1.0", ["--fully_async.sliding_window=window-gated", "--fully_async.stale_steps=1.0"]),
+    ("fully-async, abort and resume", ABORT),
+    ("fully-async, shared cores", SHARED + ABORT),
+    ("fully-async no-window, stale 1.0", ["--fully_async.sliding_window=no-window", "--fully_async.stale_steps=1.0", *ABORT]),
+    ("fully-async windowed-fifo, stale 1.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=1.0",
+                                              *ABORT]),
+    ("fully-async windowed-fifo, stale 2.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=2.0",
+                                              *ABORT]),
+    ("fully-async window-gated, stale 1.0", ["--fully_async.sliding_window=window-gated", "--fully_async.stale_steps=1.0",
+                                             *ABORT]),
     ("fully-async staleness-bounded, stale 1.0", ["--fully_async.sliding_window=staleness-bounded",
-                                                  "--fully_async.stale_steps=1.0"]),
-    # How the boundary treats the requests in flight (the default aborts and resumes them).
-    ("fully-async, boundary waits", ["--rollout.partial=false"]),
+                                                  "--fully_async.stale_steps=1.0", *ABORT]),
+    # How the boundary treats the requests in flight.
+    ("fully-async, boundary waits", ["--rollout.partial=false", "--rollout.weight_update_mode=wait"]),
     ("fully-async, in-flight updates", ["--rollout.weight_update_mode=inflight"]),
     ("fully-async, in-flight updates, KV recomputed", ["--rollout.weight_update_mode=inflight",
                                                        "--rollout.inflight_kv=recompute"]),

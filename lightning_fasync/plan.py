@@ -45,17 +45,24 @@ from lightning_fasync.simulate import ReplicaModel, SimConfig, Simulation, summa
 
 __all__ = ["EngineCurve", "TrainerFit", "RunProfile", "Profile", "MODES", "fit_curve", "fit_trainer", "predict", "main"]
 
+_ABORT = {"rollout.partial": True, "rollout.weight_update_mode": "abort"}
 MODES: list[tuple[str, dict[str, Any]]] = [
-    ("colocate", {"colocate": True, "fully_async.enable": False, "rollout.partial": False}),
-    ("colocate + partial", {"colocate": True, "fully_async.enable": False, "rollout.partial": True}),
-    ("fully-async (default)", {}),
-    ("fully-async no-window, stale 1.0", {"fully_async.sliding_window": "no-window", "fully_async.stale_steps": 1.0}),
-    ("fully-async windowed-fifo, stale 1.0", {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 1.0}),
-    ("fully-async windowed-fifo, stale 2.0", {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 2.0}),
-    ("fully-async window-gated, stale 1.0", {"fully_async.sliding_window": "window-gated", "fully_async.stale_steps": 1.0}),
+    ("colocate", {"colocate": True, "fully_async.enable": False, "rollout.partial": False,
+                  "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep"}),
+    ("colocate + partial", {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
+                            "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep"}),
+    ("fully-async, abort and resume", _ABORT),
+    ("fully-async no-window, stale 1.0", {"fully_async.sliding_window": "no-window", "fully_async.stale_steps": 1.0, **_ABORT}),
+    ("fully-async windowed-fifo, stale 1.0", {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 1.0,
+                                              **_ABORT}),
+    ("fully-async windowed-fifo, stale 2.0", {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 2.0,
+                                              **_ABORT}),
+    ("fully-async window-gated, stale 1.0", {"fully_async.sliding_window": "window-gated", "fully_async.stale_steps": 1.0,
+                                             **_ABORT}),
     ("fully-async staleness-bounded, stale 1.0", {"fully_async.sliding_window": "staleness-bounded",
-                                                  "fully_async.stale_steps": 1.0}),
-    ("fully-async, boundary waits", {"rollout.partial": False, "rollout.weight_update_mode": None}),
+                                                  "fully_async.stale_steps": 1.0, **_ABORT}),
+    ("fully-async, boundary waits", {"rollout.partial": False, "rollout.weight_update_mode": None,
+                                     "rollout.inflight_kv": "keep"}),
     ("fully-async, in-flight updates", {"rollout.partial": True, "rollout.weight_update_mode": "inflight"}),
 ]
 """The modes a plan predicts (``benchmarks/speedup.py`` measures the same rows live); the fully-async

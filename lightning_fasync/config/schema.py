@@ -414,7 +414,7 @@ class RayConfig:
             raise ConfigError(f"`rollout.ray.replica_resources` is {self.replica_resources}; every amount must be > 0.")
 
 
-WEIGHT_UPDATE_MODES = ("wait", "abort", "inflight")
+WEIGHT_UPDATE_MODES = ("wait", "abort", "inflight", "auto")
 """``rollout.weight_update_mode``'s values (docs/weight_sync.md, "In-flight updates")."""
 
 
@@ -440,7 +440,10 @@ class RolloutConfig:
     from their tokens after the update; ``rollout.partial: true``) or ``inflight`` (the engines freeze
     them during the update and they go on decoding under the new weights: nothing aborted, nothing
     re-queued; needs ``rollout.partial: true``, as their trajectories span versions). null: the
-    spec's behaviour, ``abort`` with ``rollout.partial`` and ``wait`` without. A boundary that saves a
+    spec's behaviour, ``abort`` with ``rollout.partial`` and ``wait`` without. ``auto`` (the long-tailed
+    workload's config): ``inflight`` where it was run against the engine itself (fully-async with
+    ``rollout.partial`` on the ``embedded`` and ``vllm`` backends, vLLM's adapter path excepted),
+    else what null reads, so colocate and ``partial: false`` overrides need no other change. A boundary that saves a
     checkpoint or evaluates runs as ``abort`` in every mode, so the checkpoint holds the partial
     trajectories (and a resumed run continues them from their tokens) and evaluation meets no
     training request."""
@@ -521,8 +524,14 @@ class RolloutConfig:
 
     @property
     def boundary_mode(self) -> str:
-        """The effective ``weight_update_mode``: null read from ``partial`` (``abort`` or ``wait``)."""
-        return self.weight_update_mode or ("abort" if self.partial else "wait")
+        """The effective ``weight_update_mode`` of the rollout keys alone: null read from ``partial``
+        (``abort`` or ``wait``), ``auto`` as ``inflight`` where the backend was tested with it.
+        :attr:`FasyncConfig.boundary_mode` adds the colocate rule; the drivers read that one."""
+        spec = "abort" if self.partial else "wait"
+        if self.weight_update_mode == "auto":
+            tested = self.backend == "embedded" or (self.backend == "vllm" and self.weight_sync != "adapter")
+            return "inflight" if self.partial and tested else spec
+        return self.weight_update_mode or spec
 
     def check(self) -> None:
         """Refuse a ``rollout.*`` value out of range, or two that contradict each other (the backend's
@@ -534,18 +543,19 @@ class RolloutConfig:
         self.engine_restart.check()
         mode = self.weight_update_mode
         if mode is not None and mode not in WEIGHT_UPDATE_MODES:
-            raise ConfigError(f"`rollout.weight_update_mode` is {mode!r}; it must be wait, abort, inflight or null.")
-        if mode is not None and (mode == "wait") == self.partial:
+            raise ConfigError(f"`rollout.weight_update_mode` is {mode!r}; it must be wait, abort, inflight, auto or null.")
+        if mode not in (None, "auto") and (mode == "wait") == self.partial:
             raise ConfigError(
                 f"`rollout.weight_update_mode` is {mode} while `rollout.partial` is {str(self.partial).lower()}; "
                 f"{'wait keeps every trajectory on one version, which is partial: false' if mode == 'wait' else mode + ' lets trajectories span weight versions, which needs partial: true'}."
             )
         if self.inflight_kv not in ("keep", "recompute"):
             raise ConfigError(f"`rollout.inflight_kv` is {self.inflight_kv!r}; it must be keep or recompute.")
-        if self.inflight_kv != "keep" and mode != "inflight":
+        if self.inflight_kv != "keep" and self.boundary_mode != "inflight":
             raise ConfigError(
-                f"`rollout.inflight_kv` is {self.inflight_kv} while `rollout.weight_update_mode` is {mode or 'null'}; "
-                "it applies to in-flight updates only: set weight_update_mode: inflight or leave it at keep."
+                f"`rollout.inflight_kv` is {self.inflight_kv} while `rollout.weight_update_mode` is {mode or 'null'}"
+                f"{' (here ' + self.boundary_mode + ')' if mode == 'auto' else ''}; it applies to in-flight updates "
+                "only: set weight_update_mode: inflight or leave it at keep."
             )
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"`rollout.placement` is {self.placement!r}; it must be one of {', '.join(PLACEMENTS)}.")
@@ -956,6 +966,14 @@ class FasyncConfig:
     """Evaluation at step boundaries."""
 
     # ---- derived quantities -----------------------------------------------------------------
+
+    @property
+    def boundary_mode(self) -> str:
+        """How this run's step boundaries treat the requests in flight: ``wait``, ``abort`` or
+        ``inflight`` (:attr:`RolloutConfig.boundary_mode`; a colocate step generates nothing during the
+        update, so ``auto`` reads ``abort`` there)."""
+        mode = self.rollout.boundary_mode
+        return "abort" if mode == "inflight" and not self.fully_async.enable else mode
 
     @property
     def sources(self) -> list[DataSourceConfig]:

@@ -165,7 +165,13 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
     if cfg.rollout.weight_update_mode == "inflight" and not fa.enable:
         raise ConfigError(
             "`rollout.weight_update_mode` is inflight while `fully_async.enable` is false; colocate steps generate "
-            "nothing during the update, so there is no request to keep in flight: use fully_async.enable: true."
+            "nothing during the update, so there is no request to keep in flight: use fully_async.enable: true "
+            "(or weight_update_mode: auto, which reads abort in colocate)."
+        )
+    if cfg.rollout.inflight_kv != "keep" and cfg.boundary_mode != "inflight":
+        raise ConfigError(
+            f"`rollout.inflight_kv` is {cfg.rollout.inflight_kv} while `fully_async.enable` is false; it applies to "
+            "in-flight updates only, which colocate steps have none of: leave it at keep."
         )
     offload = cfg.colocate_offload
     if offload not in (True, False, "auto"):

@@ -624,7 +624,7 @@ def _start_sglang(start: EngineStart) -> "SGLangPool":
     ro = start.cfg.rollout
     # In-flight updates keeping the KV cache: the update cannot flush SGLang's radix cache while the
     # frozen requests hold it, so no prefix the old weights computed may be reused by a new request.
-    radix = ["--disable-radix-cache"] if ro.boundary_mode == "inflight" and ro.inflight_kv == "keep" else []
+    radix = ["--disable-radix-cache"] if start.cfg.boundary_mode == "inflight" and ro.inflight_kv == "keep" else []
     placement = None
     if ro.placement == "ray":
         from lightning_fasync.fleet.ray_placement import RayPlacement

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -590,22 +589,18 @@ class VLLMPool(RolloutPool):
         from lightning_fasync.weights import wire as weight_wire
         from lightning_fasync.weights.lora_sync import DEFAULT_LORA_NAME
         from lightning_fasync.weights.sync import push_kept
-        from lightning_fasync.weights.vllm_sync import TOLERANCE, probe_ids, reference_logprobs, served_logprobs
+        from lightning_fasync.weights.vllm_sync import TOLERANCE, probe_reference, served_logprobs, worst_gap
 
         kept = self.weights
         await push_kept(kept, client, timeout_s=JOIN_TIMEOUT_S)  # the adapter path's own load
         await client.flush_cache()  # no prefix an earlier adapter computed is read by the probe
-        named = kept.named_tensors()
-        embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
-        if embed is None:
+        probe = await probe_reference(self.plan.preset or self.model, kept.named_tensors())
+        if probe is None:
             return
-        ids = probe_ids(int(embed.shape[0]))
-        reference = await asyncio.to_thread(reference_logprobs, self.plan.preset or self.model, named, ids)
-        if reference is None:
-            return
+        ids, reference = probe
         served = await served_logprobs(client, url, ids, JOIN_TIMEOUT_S,
                                        model_name=vllm_lora_name(DEFAULT_LORA_NAME, kept.version))
-        worst = max(abs(a - b) for a, b in zip(served, reference))
+        worst = worst_gap(served, reference)
         tolerance = TOLERANCE.get(weight_wire.parse_dtype(self.args.dtype), 0.1)
         if not worst <= tolerance:
             raise EngineError(f"The restarted vLLM server {url} does not serve the trainer's adapter: its log-probs of "
@@ -628,7 +623,7 @@ def _start_vllm(start: EngineStart) -> VLLMPool:
                     cpu_cores=plan.replica_cores if start.prepared.gpus is None else None,
                     context_length=start.context_length, log_dir=start.log_dir,
                     startup_timeout=start.startup_timeout,
-                    prefix_caching=not (start.cfg.rollout.boundary_mode == "inflight"
+                    prefix_caching=not (start.cfg.boundary_mode == "inflight"
                                         and start.cfg.rollout.inflight_kv == "keep"),
                     lora=start.cfg.rollout.weight_sync == "adapter").start()
 

@@ -82,6 +82,22 @@ def reference_logprobs(model: str, named: Mapping[str, torch.Tensor], ids: Seque
     return [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 
+async def probe_reference(model: str, named: Mapping[str, torch.Tensor]) -> Optional[tuple[list[int], list[float]]]:
+    """The probe's token ids and its log-probs under ``model`` holding ``named`` (the reference a
+    server's are held against), None when the tensors give no vocabulary or do not cover the model."""
+    embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
+    if embed is None:
+        return None
+    ids = probe_ids(int(embed.shape[0]))
+    reference = await asyncio.to_thread(reference_logprobs, model, named, ids)
+    return None if reference is None else (ids, reference)
+
+
+def worst_gap(served: Sequence[float], reference: Sequence[float]) -> float:
+    """The largest difference of a probe token's log-prob between a server and the reference."""
+    return max(abs(a - b) for a, b in zip(served, reference))
+
+
 async def served_logprobs(client: Any, url: str, ids: Sequence[int], timeout_s: float,
                           model_name: Optional[str] = None) -> list[float]:
     """The same log-probs as one vLLM server computes them (``/v1/completions`` with
@@ -203,15 +219,10 @@ class VLLMWeightSync(DistributedWeightSync):
             WeightSyncError: a server computes other log-probs (naming it, the largest difference and the tolerance).
         """
         named = self.pushed_tensors()
-        if named is None or self.model is None:
+        probe = None if named is None or self.model is None else await probe_reference(self.model, named)
+        if probe is None:
             return
-        embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
-        if embed is None:
-            return
-        ids = probe_ids(int(embed.shape[0]))
-        reference = await asyncio.to_thread(reference_logprobs, self.model, named, ids)
-        if reference is None:
-            return
+        ids, reference = probe
         tolerance = TOLERANCE.get(self.dtype, 0.1)
         for url in list(self.members):
             try:
@@ -220,7 +231,7 @@ class VLLMWeightSync(DistributedWeightSync):
                 raise WeightSyncError(f"The weight sync of {where}: {url} did not give the probe's log-probs: {exc!r}") from exc
             if served is SKIPPED:
                 continue
-            worst = max(abs(a - b) for a, b in zip(served, reference))
+            worst = worst_gap(served, reference)
             if not worst <= tolerance:
                 raise WeightSyncError(
                     f"The weight sync of {where}: the server {url} does not hold the trainer's weights: its log-probs "

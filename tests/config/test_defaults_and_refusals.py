@@ -66,7 +66,7 @@ def test_capacity_is_int_of_b_times_one_plus_stale(B, stale, expected):
             "use_rollout_log_probs",
         ),
         ({"fully_async.sliding_window": "fifo"}, "`fully_async.sliding_window`", "windowed-fifo"),
-        ({"rollout.weight_update_mode": "sometimes"}, "`rollout.weight_update_mode`", "wait, abort, inflight"),
+        ({"rollout.weight_update_mode": "sometimes"}, "`rollout.weight_update_mode`", "wait, abort, inflight, auto"),
         ({"rollout.weight_update_mode": "inflight"}, "`rollout.weight_update_mode`", "needs partial: true"),
         ({"rollout.partial": True, "rollout.weight_update_mode": "wait"}, "`rollout.weight_update_mode`",
          "partial: false"),
@@ -156,3 +156,56 @@ def test_the_boundary_mode_reads_partial_when_unset(partial, mode, effective):
     cfg = fully_async(**{"rollout.partial": partial, "rollout.weight_update_mode": mode})
     validate(cfg)
     assert cfg.rollout.boundary_mode == effective
+
+
+@pytest.mark.parametrize("backend,weight_sync,effective", [("embedded", "auto", "inflight"), ("vllm", "auto", "inflight"),
+                                                           ("vllm", "adapter", "abort"), ("sglang", "auto", "abort"),
+                                                           ("external", "auto", "abort")])
+def test_auto_reads_inflight_where_the_engine_was_tested_with_it(backend, weight_sync, effective):
+    """``auto``: in-flight on the embedded engine and vLLM (run against both), the spec's abort on
+    SGLang (never run against the real one), servers someone else runs, and vLLM's adapter path."""
+    cfg = fully_async(**{"rollout.partial": True, "rollout.weight_update_mode": "auto", "rollout.backend": backend,
+                         "rollout.weight_sync": weight_sync})
+    assert cfg.rollout.boundary_mode == effective and cfg.boundary_mode == effective
+
+
+@pytest.mark.parametrize("over,effective", [
+    ({}, "inflight"),
+    ({"colocate": True, "fully_async.enable": False}, "abort"),  # colocate + partial
+    ({"colocate": True, "fully_async.enable": False, "rollout.partial": False}, "wait"),  # colocate
+    ({"rollout.partial": False}, "wait"),  # fully-async, boundary waits
+])
+def test_the_shipped_configs_take_the_baselines_overrides(over, effective):
+    """The long-tailed workload sets ``weight_update_mode: auto``; the overrides the colocate
+    baselines and the boundary-waits run apply to it need nothing else."""
+    import os
+
+    import yaml
+
+    from lightning_fasync.config.schema import TrainerConfig
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name in ("tiny_cpu_longtail.yaml",):
+        with open(os.path.join(repo, "configs", name)) as f:
+            data = yaml.safe_load(f)
+        assert data["rollout"]["weight_update_mode"] == "auto", name
+        keys = {"colocate", "fully_async", "data_source", "rollout", "algorithm"}
+        plugin = {k: v for k, v in data.items() if k in keys}
+        plugin["trainer"] = {k: v for k, v in data["trainer"].items() if k in TrainerConfig.__dataclass_fields__}
+        for key, value in over.items():
+            node = plugin
+            for part in key.split(".")[:-1]:
+                node = node.setdefault(part, {})
+            node[key.split(".")[-1]] = value
+        cfg = load_config(plugin)
+        validate(cfg)
+        assert cfg.boundary_mode == effective, (name, over)
+
+
+def test_recompute_is_refused_where_nothing_stays_in_flight():
+    cfg = load_config({"rollout": {"partial": True, "weight_update_mode": "auto", "inflight_kv": "recompute"}})
+    with pytest.raises(ConfigError, match="`rollout.inflight_kv` is recompute while `fully_async.enable` is false"):
+        validate(cfg)
+    cfg = fully_async(**{"rollout.partial": False, "rollout.weight_update_mode": "auto", "rollout.inflight_kv": "recompute"})
+    with pytest.raises(ConfigError, match=r"`rollout.weight_update_mode` is auto \(here wait\)"):
+        validate(cfg)

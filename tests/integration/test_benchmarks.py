@@ -26,21 +26,21 @@ def test_speedup_benchmark_smoke(tmp_path, monkeypatch):
     os.makedirs(runs_dir)
     monkeypatch.setattr(speedup.tempfile, "mkdtemp", lambda prefix="": str(runs_dir))  # keep the run directories
     monkeypatch.setattr(speedup.shutil, "rmtree", lambda *a, **k: None)
-    speedup.main(["--steps", "3", "--rounds", "1", "--modes", "fully-async-default", "--out", str(tmp_path)])
+    speedup.main(["--steps", "3", "--rounds", "1", "--modes", "fully-async-abort-and-resume", "--out", str(tmp_path)])
     text = (tmp_path / "speedup.md").read_text()
-    assert "| colocate |" in text and "| fully-async (default) |" in text and "load average" in text
+    assert "| colocate |" in text and "| fully-async, abort and resume |" in text and "load average" in text
     with open(tmp_path / "runs.csv") as f:
         runs = {r["mode"]: r for r in csv.DictReader(f)}
-    fa = runs["fully-async (default)"]
+    fa = runs["fully-async, abort and resume"]
     assert float(fa["speedup"]) > 0 and float(fa["bound"]) > 0
     assert float(fa["share"]) <= 1.0 + 1e-9  # the run's own floor: trainer work and CPU time per core
     assert float(fa["engine_cpu"]) > 0 and float(fa["trainer_cpu"]) > 0
     assert runs["colocate"]["bound"] == ""  # no fully-async bound for colocate itself
-    raw = json.loads((tmp_path / "raw" / "fully-async-default-0.json").read_text())
+    raw = json.loads((tmp_path / "raw" / "fully-async-abort-and-resume-0.json").read_text())
     assert len(raw["step"]) == 3 and raw["cpu_steady"]["engine"] > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    for name in ("colocate", "fully-async-default"):
+    for name in ("colocate", "fully-async-abort-and-resume"):
         assert os.path.getsize(tmp_path / f"timeline-{name}.png") > 10_000
         images = []
         for f in glob.glob(str(runs_dir / f"{name}-0" / "lightning_logs" / "version_*" / "events.out.tfevents.*")):

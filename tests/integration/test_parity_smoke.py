@@ -18,7 +18,7 @@ def test_parity_benchmark_smoke(tmp_path):
     finally:
         sys.path.pop(0)
     modes = dict(parity.MODES)
-    runs = [parity.run_one(name, modes[name], 1, 2, str(tmp_path), []) for name in ("colocate", "fully-async (default)")]
+    runs = [parity.run_one(name, modes[name], 1, 2, str(tmp_path), []) for name in ("colocate", "fully-async, in-flight updates")]
     for run in runs:
         rewards = [v for _, v in run["reward"]]
         assert len(rewards) == 2 and all(math.isfinite(v) for v in rewards)
@@ -27,13 +27,13 @@ def test_parity_benchmark_smoke(tmp_path):
     assert sum(runs[1]["lag_hist"].values()) > 0, "the fully-async run's ledger gave no consumed-group lags"
 
     rows, summary = parity.summarize(runs)
-    assert [r["mode"] for r in rows] == ["colocate", "fully-async (default)"]
+    assert [r["mode"] for r in rows] == ["colocate", "fully-async, in-flight updates"]
     for r in rows:
         for key in ("seed", "steps", "final_reward", "mid_reward", "t_to_0.3", "t_to_target", "t_to_0.5",
                     "mean_step_s", "wall_clock_s", "proc_wall_s", "version_lag_mean", "ledger_lag_mean", "lag_hist"):
             assert key in r
         assert r["steps"] == 2 and math.isfinite(r["final_reward"])
-    assert set(summary["modes"]) == {"colocate", "fully-async (default)"}
+    assert set(summary["modes"]) == {"colocate", "fully-async, in-flight updates"}
     assert summary["target"] is not None and len(summary["verdict"]) == 4
     assert "| **colocate** |" in parity.parity_markdown(rows, summary)
 

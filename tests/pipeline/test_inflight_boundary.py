@@ -52,9 +52,11 @@ class SlowSync(Hooks):
         super().sync_weights(version)
 
 
-@pytest.mark.parametrize("kv,mode", [("keep", "in_place"), ("recompute", "retract")])
-def test_an_inflight_boundary_stops_dispatch_only(tmp_path, kv, mode):
-    cfg = make_cfg(**{"rollout.weight_update_mode": "inflight", "rollout.inflight_kv": kv, "trainer.save_freq": 3})
+@pytest.mark.parametrize("setting,kv,mode", [("inflight", "keep", "in_place"), ("inflight", "recompute", "retract"),
+                                              ("auto", "keep", "in_place")])
+def test_an_inflight_boundary_stops_dispatch_only(tmp_path, setting, kv, mode):
+    """``auto`` on the embedded engine in a fully-async run is in-flight, like ``inflight`` itself."""
+    cfg = make_cfg(**{"rollout.weight_update_mode": setting, "rollout.inflight_kv": kv, "trainer.save_freq": 3})
     clock = Clock()
     ds = ListDataSource([([1, 2, i % 7], {}) for i in range(400)], seed=1)
     engine = InstantEngine()
