@@ -272,8 +272,13 @@ def test_metrics_are_served_with_enable_metrics_under_sglangs_names(policy):
         running = asyncio.ensure_future(call(s, "POST", url + "/generate", {"input_ids": [5, 6], "rid": "m",
                                                                             "sampling_params": LONG}))
         await wait_running(s, url)
-        async with s.get(url + "/metrics") as r:
-            _, live = parse_metrics(await r.text())
+        # /get_load counts it once queued; the scheduler's gauge once a decode batch holds it.
+        for _ in range(2000):
+            async with s.get(url + "/metrics") as r:
+                _, live = parse_metrics(await r.text())
+            if value(live, "sglang:num_running_reqs", **scheduler) or running.done():
+                break
+            await asyncio.sleep(0.005)
         assert value(live, "sglang:num_running_reqs", **scheduler) == 1
         assert 0 < value(live, "sglang:token_usage", **scheduler) <= 1
         await call(s, "POST", url + "/abort_request", {"rid": "m"})
