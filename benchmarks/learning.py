@@ -68,7 +68,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         runs = []
         for rnd, seed in enumerate([b["seed"] for b in base] if args.baseline else args.seeds):
             if args.baseline:
-                b = next(b for b in base if b["seed"] == seed)
+                b = base[rnd]
             else:
                 b = run_one("colocate", dict(MODES)["colocate"], rnd, args.colocate_steps, tmp, [], config=config, seed=seed)
                 with open(os.path.join(args.out, "raw", f"colocate-{seed}.json"), "w") as fh:

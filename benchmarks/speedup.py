@@ -82,8 +82,8 @@ BASELINE = "colocate"
 _CORES = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 SHARED = [f"--trainer.strategy.init_args.trainer_cores=[{','.join(map(str, _CORES))}]",
           f"--trainer.strategy.init_args.rollout_cores=[{','.join(map(str, _CORES))}]"]
-# The spec's experiments abort and resume at the boundary (rollout.partial: true); the shipped configs'
-# weight_update_mode: auto reads in-flight updates there, so the spec's rows name abort.
+# The spec's experiments abort and resume at the boundary (rollout.partial: true); a config's
+# weight_update_mode (auto reads in-flight updates there) must not change them, so their rows name abort.
 ABORT = ["--rollout.weight_update_mode=abort"]
 MODES: list[tuple[str, list[str]]] = [
     ("colocate", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"]),

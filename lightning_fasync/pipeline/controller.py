@@ -403,7 +403,7 @@ class FullyAsyncController:
         inflight``, and this boundary neither saves (the checkpoint must hold the partial trajectories,
         which needs them back from the engines), nor evaluates (evaluation meets no training request),
         nor follows lost engines."""
-        return (self.cfg.boundary_mode == "inflight" and not self.colocate and self.state.fault is None
+        return (self.cfg.boundary_mode == "inflight" and self.state.fault is None
                 and not self.schedule.save_due(step) and not (self.evaluator is not None and self.schedule.eval_due(step)))
 
     def pause(self, inflight: bool = False) -> None:

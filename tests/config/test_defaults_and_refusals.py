@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 
-from lightning_fasync.config import ConfigError, ConfigWarning, FasyncConfig, load_config, validate
+from lightning_fasync.config import ConfigError, ConfigWarning, FasyncConfig, load_config, validate, with_overrides
 from lightning_fasync.config import pipeline_capacity
 
 
@@ -185,21 +185,13 @@ def test_the_shipped_configs_take_the_baselines_overrides(over, effective):
     from lightning_fasync.config.schema import TrainerConfig
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for name in ("tiny_cpu_longtail.yaml",):
-        with open(os.path.join(repo, "configs", name)) as f:
-            data = yaml.safe_load(f)
-        assert data["rollout"]["weight_update_mode"] == "auto", name
-        keys = {"colocate", "fully_async", "data_source", "rollout", "algorithm"}
-        plugin = {k: v for k, v in data.items() if k in keys}
-        plugin["trainer"] = {k: v for k, v in data["trainer"].items() if k in TrainerConfig.__dataclass_fields__}
-        for key, value in over.items():
-            node = plugin
-            for part in key.split(".")[:-1]:
-                node = node.setdefault(part, {})
-            node[key.split(".")[-1]] = value
-        cfg = load_config(plugin)
-        validate(cfg)
-        assert cfg.boundary_mode == effective, (name, over)
+    with open(os.path.join(repo, "configs", "tiny_cpu_longtail.yaml")) as f:
+        data = yaml.safe_load(f)
+    assert data["rollout"]["weight_update_mode"] == "auto"
+    plugin = {k: v for k, v in data.items() if k in {"colocate", "fully_async", "data_source", "rollout", "algorithm"}}
+    plugin["trainer"] = {k: v for k, v in data["trainer"].items() if k in TrainerConfig.__dataclass_fields__}
+    cfg = validate(with_overrides(load_config(plugin), over))
+    assert cfg.boundary_mode == effective, over
 
 
 def test_recompute_is_refused_where_nothing_stays_in_flight():
