@@ -5,8 +5,8 @@ default its whole 120-step run) through `lightning-fasync fit` once per mode and
 interleaved (round 1: every mode, then round 2, ...) so that a drift in the machine's load touches
 every mode alike:
 
-- colocate; colocate + partial (over-dispatch B/4 groups, abort the tail, resume it next step):
-  rollout, then training, each phase on every core;
+- colocate; colocate + partial (over-dispatch B/4 groups, or ``--oversample K``, abort the tail,
+  resume it next step): rollout, then training, each phase on every core;
 - fully-async as configured (the default: windowed-fifo, stale 0; trainer and engine on disjoint
   halves of the cores, one torch thread per core);
 - fully-async with shared cores: trainer and engine each on every core with as many threads (the
@@ -41,8 +41,8 @@ from its first round (`timeline-<mode>.png`, also logged to that run's TensorBoa
 over 0.5 per core before the start is warned about in the output.
 
     python benchmarks/speedup.py                  # 3 rounds x 12 modes x 120 steps, ~55 minutes on 2 cores
-    python benchmarks/speedup.py --config configs/tiny_cpu_longtail.yaml --steps 60 --seed-per-round 1 \
-        --out benchmarks/results/speedup_longtail  # the long-tailed workload, rounds as seeds
+    python benchmarks/speedup.py --config configs/tiny_cpu_longtail.yaml --steps 80 --seed-per-round 1 \
+        --oversample 16 --out benchmarks/results/speedup_longtail  # the long-tailed workload, rounds as seeds
     python benchmarks/speedup.py --quick          # 20 steps, 1 round: a smoke check, ~3 minutes
     python benchmarks/speedup.py --from-raw benchmarks/results/speedup   # tables again from raw/
 
@@ -75,7 +75,7 @@ from parity import slug  # noqa: E402
 
 from lightning_fasync.plots import log_image_to_tensorboard, plot_timeline, read_scalars  # noqa: E402
 
-B = 16  # the configs' prompts per step (colocate + partial over-dispatches B // 4)
+B = 16  # the configs' prompts per step (colocate + partial over-dispatches B // 4 groups unless --oversample)
 N = 8  # the configs' trajectories per prompt (consumed tokens per step: B x N x mean response length)
 DEFAULT_CONFIG = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 BASELINE = "colocate"
@@ -286,6 +286,7 @@ def run_figures(run: dict[str, Any], cores: int) -> dict[str, Any]:
         # engines generated and kept (aborted work redone is not counted twice).
         "tokens_per_s": (sum(run["response_length_mean"][1:]) * B * N / sum(ss)
                          if run.get("response_length_mean") and sum(ss) else None),
+        "resp_len": mean(run.get("response_length_mean", [])[1:]),
         "pipeline_buf_size": mean(run["pipeline_buf_size"]),
         "partial_ratio": mean(run["partial_ratio"]),
         "partial_restored": mean(run["partial_restored"]),
@@ -323,6 +324,10 @@ def summarize(runs: list[dict[str, Any]], cores: int) -> tuple[list[dict[str, An
         b = base.get(f["round"])
         f["speedup"] = b["steady"] / f["steady"] if b else None
         f["speedup_all"] = b["all"] / f["all"] if b else None
+        # The same per consumed token: a learning policy's lengths differ by run, and with them each
+        # step's work; this ratio takes them out (steady state, consumed tokens/s over colocate's).
+        f["tokens_speedup"] = (f["tokens_per_s"] / b["tokens_per_s"]
+                               if b and b.get("tokens_per_s") and f.get("tokens_per_s") else None)
         for phase, _, _ in thirds(len(f["step"])):
             f[f"speedup_{phase}"] = b[phase] / f[phase] if b and b[phase] and f[phase] else None
         fa = "--colocate=true" not in f["overrides"]
@@ -347,7 +352,7 @@ def summarize(runs: list[dict[str, Any]], cores: int) -> tuple[list[dict[str, An
         keys = ["steady", "all", "early", "middle", "late", "wait", "trainer_work", "train", "trainer_cpu", "engine_cpu",
                 "speedup", "speedup_all", "speedup_early", "speedup_middle", "speedup_late", "bound", "share",
                 "final_reward", "pipeline_buf_size", "partial_ratio", "partial_restored", "colocate_bound", "step0",
-                "pause_delay", "wall_to_target", "wall_ratio", "tokens_per_s"]
+                "pause_delay", "wall_to_target", "wall_ratio", "tokens_per_s", "tokens_speedup", "resp_len"]
         rows.append({"mode": m, "rounds": len(fs), **{k: spread([f.get(k) for f in fs]) for k in keys}})
     return rows, {"figs": figs}
 
@@ -356,9 +361,9 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
     head = ("| mode | avg step excl. step 0 (s) | speedup | avg step, all steps (s) | speedup, all steps | step 0 (s) | "
             "early / middle / late step (s) | speedup early / middle / late | "
             "trainer wait / work / train (s) | CPU s per step: trainer / engine | honest bound | share of bound | "
-            "pipeline_buf_size | partial_ratio | partial_rollout_restored | pause_delay (s) | consumed tokens/s | "
-            "final reward | wall-clock to colocate's final reward (s) | against colocate |")
-    lines = [head, "|" + "---|" * 20]
+            "pipeline_buf_size | partial_ratio | partial_rollout_restored | pause_delay (s) | mean response (tokens) | "
+            "consumed tokens/s | against colocate | final reward | wall-clock to colocate's final reward (s) | against colocate |")
+    lines = [head, "|" + "---|" * 22]
     for r in rows:
         medians = lambda keys, unit="": " / ".join("-" if r[k][0] is None else f"{r[k][0]:.2f}{unit}" for k in keys)  # noqa: E731
         ph = medians(("early", "middle", "late"))
@@ -372,7 +377,8 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
             f"| {r['mode']} | {fmt(r['steady'], 3)} | {fmt(r['speedup'], 2, 'x')} | {fmt(r['all'], 3)} | "
             f"{fmt(r['speedup_all'], 2, 'x')} | {fmt(r['step0'], 2)} | {ph} | {sp} | {wt} | {cpu} | "
             f"{fmt(r['bound'], 2, 'x')} | {share} | {fmt(r['pipeline_buf_size'], 1)} | {fmt(r['partial_ratio'], 3)} | "
-            f"{fmt(r['partial_restored'], 1)} | {fmt(r['pause_delay'], 3)} | {fmt(r['tokens_per_s'], 0)} | "
+            f"{fmt(r['partial_restored'], 1)} | {fmt(r['pause_delay'], 3)} | {fmt(r['resp_len'], 1)} | "
+            f"{fmt(r['tokens_per_s'], 0)} | {fmt(r['tokens_speedup'], 2, 'x')} | "
             f"{fmt(r['final_reward'], 3)} | {reached} | "
             f"{fmt(r['wall_ratio'], 2, 'x')} |"
         )
@@ -383,6 +389,9 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
         "colocate step over the mode's (excl. step 0; early / middle / late: the run's thirds). Trainer wait: "
         "`timing/rollout`; work: step minus wait; train: training calls plus batch assembly. Honest bound: colocate step / "
         "max(trainer work, (trainer + engine CPU) / cores), from each fully-async run at its own thread counts. "
+        "Mean response: over the steps after step 0. Consumed tokens/s: the response tokens training used per second "
+        "of steady state; against colocate: that over colocate's, per round (the speedup with each run's own response "
+        "lengths taken out). "
         "Final reward: mean of the last 10 steps. Wall-clock to colocate's final reward: from step 0's start until the "
         "5-step running mean of the reward first reaches colocate's median final reward (\"not reached\" if never); "
         "against colocate: colocate's time over the mode's, per round (rounds with their own seed when run with "
@@ -400,7 +409,7 @@ def markdown(rows: list[dict[str, Any]], steps: int) -> str:
 CSV_KEYS = ["steady", "all", "early", "middle", "late", "wait", "trainer_work", "train", "trainer_cpu", "engine_cpu", "speedup",
             "speedup_all", "speedup_early", "speedup_middle", "speedup_late", "bound", "share", "final_reward",
             "pipeline_buf_size", "partial_ratio", "partial_restored", "step0", "pause_delay", "wall_to_target", "wall_ratio",
-            "tokens_per_s", "colocate_bound"]
+            "tokens_per_s", "tokens_speedup", "resp_len", "colocate_bound"]
 
 
 def write_outputs(runs: list[dict[str, Any]], out: str, info: dict[str, Any], wall: float, warning: Optional[str]) -> str:
@@ -423,6 +432,16 @@ def write_outputs(runs: list[dict[str, Any]], out: str, info: dict[str, Any], wa
     return text
 
 
+def select_modes(only: Optional[list[str]], oversample: int = B // 4) -> list[tuple[str, list[str]]]:
+    """The modes to run (``only``: slugs; colocate always), colocate + partial over-dispatching
+    ``oversample`` groups."""
+    if oversample < 0:
+        raise SystemExit(f"--oversample is {oversample}; it must be >= 0 (groups colocate + partial over-dispatches).")
+    flag = "--rollout.sampler.num_oversample="
+    return [(name, [o for o in ov if not o.startswith(flag)] + ([f"{flag}{oversample}"] if name == "colocate + partial" else []))
+            for name, ov in MODES if name == BASELINE or only is None or slug(name) in only]
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -434,6 +453,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="the workload (default: the main job)")
     parser.add_argument("--seed-per-round", type=int, metavar="SEED", default=None,
                         help="round r runs every mode with --seed_everything=SEED+r (rounds double as seeds)")
+    parser.add_argument("--oversample", type=int, default=B // 4, metavar="K",
+                        help="groups colocate + partial over-dispatches (default B // 4; each step still waits for B)")
     parser.add_argument("--from-raw", metavar="DIR", help="no runs: rebuild the tables from DIR/raw/*.json and DIR/meta.json")
     args, extra = parser.parse_known_args(argv)
     if args.from_raw:
@@ -443,7 +464,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(write_outputs(runs, args.from_raw, meta, meta.get("wall_s", float("nan")), meta.get("warning")))
         return
     steps, rounds = (20, 1) if args.quick else (args.steps, args.rounds)
-    modes = [m for m in MODES if m[0] == BASELINE or args.modes is None or slug(m[0]) in args.modes]
+    modes = select_modes(args.modes, args.oversample)
     info = {**record(), "command": "python benchmarks/speedup.py" + (" " + shlex.join(argv) if argv else "")}
     warning = check_load(info)
     raw_dir = os.path.join(args.out, "raw")

@@ -66,7 +66,7 @@ MODES: list[tuple[str, dict[str, Any]]] = [
     ("fully-async, in-flight updates", {"rollout.partial": True, "rollout.weight_update_mode": "inflight"}),
 ]
 """The modes a plan predicts (``benchmarks/speedup.py`` measures the same rows live); the fully-async
-ones keep the config's other keys. ``colocate + partial`` over-dispatches B // 4 groups."""
+ones keep the config's other keys. ``colocate + partial`` over-dispatches B // 4 groups (``--oversample``)."""
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
 CURVE_TOKENS = 48
@@ -321,15 +321,16 @@ def read_lengths(paths: Sequence[str]) -> list[list[int]]:
 
 def predict(cfg: FasyncConfig, prof: Optional[Profile], sim: Optional[SimConfig] = None, steps: int = 100,
             seed: int = 0, modes: Sequence[tuple[str, dict[str, Any]]] = MODES,
-            lengths: Optional[list[list[int]]] = None) -> list[dict[str, Any]]:
+            lengths: Optional[list[list[int]]] = None, oversample: Optional[int] = None) -> list[dict[str, Any]]:
     """Each mode's simulated run: ``avg_step_excl0`` and ``speedup_excl0`` over the first mode's,
     with the mode's own calibration (``prof``) or the config's ``simulate:`` section (``sim``).
-    ``lengths``: the groups' response lengths to draw from (default: the profile's)."""
+    ``lengths``: the groups' response lengths to draw from (default: the profile's); ``oversample``:
+    the groups ``colocate + partial`` over-dispatches (default B // 4)."""
     rows = []
     for name, over in modes:
         over = dict(over)
         if name == "colocate + partial":
-            over["rollout.sampler.num_oversample"] = cfg.B // 4
+            over["rollout.sampler.num_oversample"] = cfg.B // 4 if oversample is None else oversample
         if not over.get("colocate", False):
             over.setdefault("colocate", False)
             over.setdefault("fully_async.enable", True)
@@ -432,11 +433,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--lengths_from", nargs="+", default=None, metavar="LEDGER",
                         help="draw the response lengths from these ledger.jsonl files (a whole earlier run: a learning "
                              "policy's lengths change after the profile's first steps)")
+    parser.add_argument("--oversample", type=int, default=None, metavar="K",
+                        help="groups the colocate + partial row over-dispatches (default B // 4)")
     args, overrides = parser.parse_known_args(list(argv) if argv is not None else None)
     if not os.path.exists(args.config):
         raise ConfigError(f"`--config` is {args.config!r}, which does not exist.")
     if args.profile_steps < 3:
         raise ConfigError(f"`--profile_steps` is {args.profile_steps}; the fits need at least 3 steps (step 0 is left out).")
+    if args.oversample is not None and args.oversample < 0:
+        raise ConfigError(f"`--oversample` is {args.oversample}; it must be >= 0 (groups colocate + partial over-dispatches).")
     t0 = time.perf_counter()
     import yaml
 
@@ -449,7 +454,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg, sections = load_config_file(args.config, overrides, simulate=SimConfig)
         sim = sections["simulate"]
         steps = args.steps or sim.steps
-        rows = predict(cfg, None, sim, steps=steps, seed=args.seed)
+        rows = predict(cfg, None, sim, steps=steps, seed=args.seed, oversample=args.oversample)
         splits = gpu_splits(cfg, sim, steps, args.seed)
         prof_text = f"Calibration: the `simulate:` section of {args.config} (no profile)."
         prof = None
@@ -461,7 +466,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         steps = args.steps or cfg.trainer.rollout_steps or 100
         prof = profile(fit, cfg, ns, args.profile_steps + 1)
         lengths = read_lengths(args.lengths_from) if args.lengths_from else None
-        rows = predict(cfg, prof, steps=steps, seed=args.seed, lengths=lengths)
+        rows = predict(cfg, prof, steps=steps, seed=args.seed, lengths=lengths, oversample=args.oversample)
         prof_text = _profile_text(prof) + (f"\n- simulated response lengths drawn from {len(lengths)} groups of "
                                            f"{', '.join(args.lengths_from)}" if lengths else "")
     text = "\n\n".join([prof_text, _table(rows), recommendation(rows, splits),

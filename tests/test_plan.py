@@ -3,6 +3,7 @@ profile, and a real profile of the main job gives a table of every mode with a r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -81,6 +82,26 @@ def test_a_profile_predicts_every_mode_and_lengths_of_another_run_replace_its_ow
     longer = predict(cfg, prof, steps=4, lengths=read_lengths([str(ledger)]))
     # Ten times the tokens: every mode's step is longer.
     assert all(b["avg_step_excl0"] > 2 * a["avg_step_excl0"] for a, b in zip(rows, longer))
+
+
+def test_oversample_sets_how_much_colocate_plus_partial_over_dispatches(tmp_path):
+    """On long-tailed groups, over-dispatching B groups lets a colocate step end on the fastest half
+    of them: the predicted colocate + partial step is shorter than with nothing over-dispatched."""
+    from lightning_fasync.config import load_config_file
+    from lightning_fasync.simulate import SimConfig
+
+    cfg, _ = load_config_file(DAPO, simulate=SimConfig)
+    prof = _profile(cfg)
+    # An engine that never saturates (100 tokens/s per request at any concurrency): a step's rollout
+    # lasts as long as its slowest group, so the tail is what over-dispatch can cut.
+    prof = dataclasses.replace(prof, engine={k: fit_curve([(c, 100.0 * c) for c in (1, 4, 16, 64)], k) for k in prof.engine})
+    groups = [[400 if g % 3 == 0 and i == 0 else 10 for i in range(cfg.N)] for g in range(48)]
+    modes = [m for m in MODES if m[0] in ("colocate", "colocate + partial")]
+    none = predict(cfg, prof, steps=8, modes=modes, lengths=groups, oversample=0)
+    half = predict(cfg, prof, steps=8, modes=modes, lengths=groups, oversample=cfg.B)
+    assert half[1]["avg_step_excl0"] < 0.8 * none[1]["avg_step_excl0"]
+    with pytest.raises(ConfigError, match="`--oversample` is -1; it must be >= 0"):
+        main(["--config", DAPO, "--oversample", "-1"])
 
 
 def test_refusals_name_the_option(tmp_path):

@@ -10,6 +10,22 @@ import pytest
 from tests.helpers.paths import REPO
 
 
+def test_speedup_oversample_sets_colocate_plus_partials_over_dispatch_only():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import speedup
+    finally:
+        sys.path.pop(0)
+    modes = dict(speedup.select_modes(["colocate-partial", "fully-async-abort-and-resume"], 16))
+    assert list(modes) == ["colocate", "colocate + partial", "fully-async, abort and resume"]
+    assert [o for o in modes["colocate + partial"] if "num_oversample" in o] == ["--rollout.sampler.num_oversample=16"]
+    assert not any("num_oversample" in o for name in ("colocate", "fully-async, abort and resume") for o in modes[name])
+    default = dict(speedup.select_modes(None))["colocate + partial"]
+    assert f"--rollout.sampler.num_oversample={speedup.B // 4}" in default
+    with pytest.raises(SystemExit, match="--oversample is -1"):
+        speedup.select_modes(None, -1)
+
+
 @pytest.mark.slow
 def test_speedup_benchmark_smoke(tmp_path, monkeypatch):
     """Colocate and the default fully-async config, 3 steps, one round: the tables, the per-run CSV
@@ -36,6 +52,10 @@ def test_speedup_benchmark_smoke(tmp_path, monkeypatch):
     assert float(fa["share"]) <= 1.0 + 1e-9  # the run's own floor: trainer work and CPU time per core
     assert float(fa["engine_cpu"]) > 0 and float(fa["trainer_cpu"]) > 0
     assert runs["colocate"]["bound"] == ""  # no fully-async bound for colocate itself
+    # Per consumed token: colocate is its own baseline, and the mode's ratio is its tokens/s over colocate's.
+    assert float(runs["colocate"]["tokens_speedup"]) == 1.0 and float(fa["resp_len"]) > 0
+    assert float(fa["tokens_speedup"]) == pytest.approx(float(fa["tokens_per_s"]) / float(runs["colocate"]["tokens_per_s"]),
+                                                         rel=1e-3)
     raw = json.loads((tmp_path / "raw" / "fully-async-abort-and-resume-0.json").read_text())
     assert len(raw["step"]) == 3 and raw["cpu_steady"]["engine"] > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
