@@ -92,8 +92,9 @@ def table(name: str, live: dict[str, dict[str, tuple[float, float, float]]], pla
     kinds = list(plans)
     bases = [b for b in ("step", "tokens") if any(b in v for v in live.values())]
     label = {"step": "per step", "tokens": "in consumed tokens/s"}
+    short = {"step": "step", "tokens": "tokens/s"}
     head = ("| mode | " + " | ".join(f"live speedup {label[b]}, median (range)" for b in bases) + " | "
-            + " | ".join(f"predicted ({k}) | " + " | ".join(f"error vs {label[b].split()[-1]} ({k})" for b in bases)
+            + " | ".join(f"predicted ({k}) | " + " | ".join(f"error vs {short[b]} ({k})" for b in bases)
                          for k in kinds) + " |")
     lines = [f"### {name}", "", head, "|" + "---|" * (1 + len(bases) + len(kinds) * (1 + len(bases)))]
     errors: dict[tuple[str, str], list[float]] = {(k, b): [] for k in kinds for b in bases}

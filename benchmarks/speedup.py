@@ -438,8 +438,9 @@ def select_modes(only: Optional[list[str]], oversample: int = B // 4) -> list[tu
     if oversample < 0:
         raise SystemExit(f"--oversample is {oversample}; it must be >= 0 (groups colocate + partial over-dispatches).")
     flag = "--rollout.sampler.num_oversample="
+    picked = [(name, ov) for name, ov in MODES if name == BASELINE or only is None or slug(name) in only]
     return [(name, [o for o in ov if not o.startswith(flag)] + ([f"{flag}{oversample}"] if name == "colocate + partial" else []))
-            for name, ov in MODES if name == BASELINE or only is None or slug(name) in only]
+            for name, ov in picked]
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -84,7 +84,7 @@ def test_a_profile_predicts_every_mode_and_lengths_of_another_run_replace_its_ow
     assert all(b["avg_step_excl0"] > 2 * a["avg_step_excl0"] for a, b in zip(rows, longer))
 
 
-def test_oversample_sets_how_much_colocate_plus_partial_over_dispatches(tmp_path):
+def test_oversample_sets_how_much_colocate_plus_partial_over_dispatches():
     """On long-tailed groups, over-dispatching B groups lets a colocate step end on the fastest half
     of them: the predicted colocate + partial step is shorter than with nothing over-dispatched."""
     from lightning_fasync.config import load_config_file
