@@ -189,9 +189,12 @@ def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_
         sync = VLLMWeightSync(pool.client(), model="tiny-hd32", timeout_s=120)
         try:
             await sync.push(perturbed(model, 6), 6)
-            # 64 long requests decode together; the sync's pause comes while they run: once vLLM
-            # has decoded a few tokens of each (a request sent while the server is paused would
-            # wait for the resume, whole), not after a fixed sleep, which a fast server outruns.
+            # 64 long requests decode together; once vLLM has decoded a few tokens of each (a
+            # request sent while the server is paused would wait for the resume, whole), they are
+            # frozen where they stand with vLLM's own /pause?mode=keep: a fast server decodes the
+            # whole batch in a fraction of a second, sooner than the push reaches its pause. The
+            # sync's /pause?mode=abort then aborts them, frozen or running alike (vLLM's scheduler
+            # finishes every request it holds), and its /resume lifts both pauses.
             url = pool.worker_urls[0]
             since = await generated(client, url)
             batch = prompts(3) + prompts(5)
@@ -199,6 +202,7 @@ def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_
                 f"long-{i}", p, SamplingParams(max_new_tokens=LONG, temperature=1.0, ignore_eos=True))))
                 for i, p in enumerate(batch)]
             await decoding(client, url, since, 4 * len(batch), "the requests")
+            await client._request("POST", url + "/pause?mode=keep")
             t0 = asyncio.get_running_loop().time()
             finished_before = sum(f.done() for f in longs)
             await sync.push(weights, 7)
@@ -248,13 +252,16 @@ def test_an_inflight_update_freezes_the_requests_and_keeps_or_recomputes_their_k
             longs = [asyncio.ensure_future(client.generate(GenerateRequest(
                 f"{kv}-{i}", p, SamplingParams(max_new_tokens=LONG, temperature=1.0, ignore_eos=True))))
                 for i, p in enumerate(batch)]
-            # Every request running and a few tokens of each decoded, then the swap at once (an 8 x
-            # 480-token batch decodes in well under a second on an idle core).
+            # Every request running and a few tokens of each decoded, then frozen where they stand
+            # with vLLM's own /pause?mode=keep&clear_cache=false (an 8 x 480-token batch decodes in
+            # a fraction of a second, sooner than the push reaches its pause). The sync's pause then
+            # applies its own mode to them (clear_cache=true preempts them) and its /resume lifts both.
             deadline = asyncio.get_running_loop().time() + 120
             while await running(client, url) < n:
                 assert asyncio.get_running_loop().time() < deadline, "vLLM did not run the requests"
                 await asyncio.sleep(0.005)
             await decoding(client, url, since, 4 * n, "the requests")
+            await client._request("POST", url + "/pause?mode=keep&clear_cache=false")
             await sync.push(new_w, 9)
             return batch, await asyncio.gather(*longs)
         finally:
