@@ -40,7 +40,7 @@ Written to `--out` (default `benchmarks/results/speedup/`): `speedup.md` (machin
 from its first round (`timeline-<mode>.png`, also logged to that run's TensorBoard). A load average
 over 0.5 per core before the start is warned about in the output.
 
-    python benchmarks/speedup.py                  # 3 rounds x 12 modes x 120 steps, ~55 minutes on 2 cores
+    python benchmarks/speedup.py                  # 3 rounds x 13 modes x 120 steps, ~60 minutes on 2 cores
     python benchmarks/speedup.py --config configs/tiny_cpu_longtail.yaml --steps 80 --seed-per-round 1 \
         --oversample 16 --out benchmarks/results/speedup_longtail  # the long-tailed workload, rounds as seeds
     python benchmarks/speedup.py --quick          # 20 steps, 1 round: a smoke check, ~3 minutes
@@ -103,6 +103,8 @@ MODES: list[tuple[str, list[str]]] = [
     # How the boundary treats the requests in flight.
     ("fully-async, boundary waits", ["--rollout.partial=false", "--rollout.weight_update_mode=wait"]),
     ("fully-async, in-flight updates", ["--rollout.weight_update_mode=inflight"]),
+    # The spec's stale 2 without the abort: more groups in flight at each boundary, none re-prefilled.
+    ("fully-async, in-flight updates, stale 2.0", ["--rollout.weight_update_mode=inflight", "--fully_async.stale_steps=2.0"]),
     ("fully-async, in-flight updates, KV recomputed", ["--rollout.weight_update_mode=inflight",
                                                        "--rollout.inflight_kv=recompute"]),
 ]

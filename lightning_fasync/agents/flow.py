@@ -137,6 +137,10 @@ class ToolAgentFlow(AgentFlow):
         traj = continuation(sample, index, seq)
         if traj.status.finished:
             return traj  # finished before a step boundary recycled its group (scored then)
+        if sample.metadata.get("sampling"):  # its budget is per turn: one prompt's own would not hold
+            mark_failed(traj, ValueError(f"Prompt {sample.prompt_id}: metadata `sampling` (a prompt's own response "
+                                         "budget) is for the single-turn flow; the tool agent flow does not take it."))
+            return traj
         try:
             await self._episode(traj, seq)
         except asyncio.CancelledError:

@@ -64,9 +64,14 @@ class RepeatTask:
     Reward: with ``resp`` the response up to (not including) its first EOS and ``L = n``,
     ``char = #{i < min(len(resp), L): resp[i] == letter} / max(L, len(resp))`` is the per-character
     credit; it is dense (each right letter counts) and penalises both stopping early and running
-    on. The total is ``char * (1 - eos_weight)`` plus ``char * eos_weight`` when EOS comes right
-    after exactly ``L`` tokens, so only the exact answer scores 1.0, an immediate EOS scores 0,
-    and the stop bonus cannot be collected with wrong letters.
+    on. The total is ``char * (1 - eos_weight)`` plus ``char * eos_weight`` for the right stop,
+    so only the exact answer scores 1.0, an immediate EOS scores 0, and the stop bonus cannot be
+    collected with wrong letters. The right stop is EOS right after exactly ``L`` tokens; with
+    ``stop: length`` it is the engine's: every response is ``L`` tokens long (the prompt's own
+    budget, ``metadata["sampling"]``, EOS ignored by the engine), and the bonus is paid when no EOS
+    comes among them. The policy then learns the letters, but cannot move the response lengths,
+    which follow the length law exactly (a benchmark whose every step has the same work in
+    expectation, whatever the policy learns).
 
     Args:
         tokenizer: A char-level tokenizer with a BOS and an EOS token (default: the ``tiny``
@@ -81,6 +86,8 @@ class RepeatTask:
             few answers in every batch are far longer than the median ``min_len * 2 ** (1 / tail_index)``.
         min_len: The Pareto law's smallest answer.
         tail_index: The Pareto law's shape (smaller: heavier tail).
+        stop: ``eos`` (the policy ends its answer) or ``length`` (the engine ends it after ``n``
+            tokens, above).
     """
 
     tokenizer: Any = None
@@ -91,6 +98,7 @@ class RepeatTask:
     length_law: str = "geometric"
     min_len: int = 4
     tail_index: float = 0.8
+    stop: str = "eos"
     name: str = field(default="repeat", init=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +108,8 @@ class RepeatTask:
             raise ValueError(f"`length_law` is {self.length_law!r}; it must be geometric or pareto.")
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"`min_len` is {self.min_len}; it must be in 1..max_len ({self.max_len}).")
+        if self.stop not in ("eos", "length"):
+            raise ValueError(f"`stop` is {self.stop!r}; it must be eos or length.")
         if not self.tail_index > 0:
             raise ValueError(f"`tail_index` is {self.tail_index}; it must be > 0.")
         if not 1 <= self.alphabet_size <= 26:
@@ -135,7 +145,8 @@ class RepeatTask:
         return min(n, self.max_len)
 
     def make_prompts(self, num: int, seed: int) -> list[tuple[list[int], dict[str, Any]]]:
-        """``num`` prompts ``([BOS, letter, '*', d, d, '='], {"letter_id", "length"})``.
+        """``num`` prompts ``([BOS, letter, '*', d, d, '='], {"letter_id", "length"})``, with
+        ``"sampling"`` (the prompt's budget) under ``stop: length``.
 
         Deterministic in ``seed`` (a private ``random.Random``, the global RNG is untouched).
         """
@@ -145,7 +156,10 @@ class RepeatTask:
             letter = rng.choice(self.letters)
             n = self.sample_length(rng)
             ids = [self.bos_id] + [self._ids[c] for c in f"{letter}*{n:0{self.digits}d}="]
-            out.append((ids, {"letter_id": self._ids[letter], "length": n}))
+            meta = {"letter_id": self._ids[letter], "length": n}
+            if self.stop == "length":
+                meta["sampling"] = {"max_new_tokens": n, "ignore_eos": True}
+            out.append((ids, meta))
         return out
 
     def answer_ids(self, metadata: dict[str, Any]) -> list[int]:
@@ -159,7 +173,10 @@ class RepeatTask:
         target, letter = metadata["length"], metadata["letter_id"]
         matches = sum(1 for t in resp[:target] if t == letter)
         char = matches / max(target, len(resp))
-        exact = ended and len(resp) == target
+        if self.stop == "length":  # the engine stopped it: right when it holds no EOS
+            exact = not ended and len(resp) == target
+        else:
+            exact = ended and len(resp) == target
         return char * (1.0 - self.eos_weight + (self.eos_weight if exact else 0.0))
 
     def reward(self, sample: PromptSample, traj: Trajectory) -> float:

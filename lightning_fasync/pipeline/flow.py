@@ -83,6 +83,43 @@ def request_seed(base: int, traj: Trajectory) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") & 0x7FFFFFFF
 
 
+PROMPT_SAMPLING_KEYS = ("max_new_tokens", "ignore_eos")
+"""What a prompt's ``metadata["sampling"]`` may set for its own requests (:func:`prompt_sampling`)."""
+
+
+def prompt_sampling(sample: PromptSample, sampling: SamplingParams, max_response_length: int) -> tuple[SamplingParams, int]:
+    """The sampling parameters and response budget of ``sample``'s requests: the rollout's, with what
+    its ``metadata["sampling"]`` sets. ``max_new_tokens`` is that prompt's response budget, capped at
+    ``rollout.max_response_length``; ``ignore_eos`` makes every response use all of it (a task whose
+    response lengths the policy cannot move, ``RepeatTask(stop="length")``).
+
+    Raises:
+        ValueError: a key other than :data:`PROMPT_SAMPLING_KEYS`, or a value of the wrong kind.
+    """
+    own = sample.metadata.get("sampling")
+    if not own:
+        return sampling, max_response_length
+    if not isinstance(own, dict):
+        raise ValueError(f"Prompt {sample.prompt_id}: metadata `sampling` is {type(own).__name__}; it must be a mapping.")
+    unknown = sorted(set(own) - set(PROMPT_SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"Prompt {sample.prompt_id}: metadata `sampling` sets {', '.join(unknown)}; "
+                         f"a prompt may set only {', '.join(PROMPT_SAMPLING_KEYS)}.")
+    budget = max_response_length
+    params = object.__new__(SamplingParams)
+    params.__dict__.update(sampling.__dict__)
+    if "max_new_tokens" in own:
+        n = own["max_new_tokens"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Prompt {sample.prompt_id}: metadata `sampling.max_new_tokens` is {n!r}; it must be an integer >= 1.")
+        budget = min(n, max_response_length)
+    if "ignore_eos" in own:
+        if not isinstance(own["ignore_eos"], bool):
+            raise ValueError(f"Prompt {sample.prompt_id}: metadata `sampling.ignore_eos` is {own['ignore_eos']!r}; it must be true or false.")
+        params.ignore_eos = own["ignore_eos"]
+    return params, budget
+
+
 def resume_request(traj: Trajectory, sampling: SamplingParams, max_response_length: int, rid: str) -> Optional[GenerateRequest]:
     """The ``/generate`` request that continues ``traj``, or None when it has no budget left.
 
@@ -151,11 +188,17 @@ class SingleTurnFlow(AgentFlow):
 
     async def _run(self, sample: PromptSample, seq: int, indices) -> list[Trajectory]:
         trajs = [continuation(sample, i, seq) for i in indices]
+        try:
+            sampling, budget = prompt_sampling(sample, self.sampling, self.max_response_length)
+        except ValueError as exc:
+            for traj in trajs:
+                mark_failed(traj, exc)
+            return trajs
         pending: list[tuple[Trajectory, GenerateRequest]] = []
         for traj in trajs:
             if traj.status.finished:
                 continue  # finished before a step boundary recycled its group
-            request = resume_request(traj, self.sampling, self.max_response_length, f"{self.rid_prefix}{seq}-{traj.sample_index}")
+            request = resume_request(traj, sampling, budget, f"{self.rid_prefix}{seq}-{traj.sample_index}")
             if request is None:
                 traj.status = TrajectoryStatus.TRUNCATED
             else:
@@ -168,7 +211,7 @@ class SingleTurnFlow(AgentFlow):
                 if isinstance(result, BaseException):  # engine errors become failed trajectories
                     mark_failed(traj, result)
                 else:
-                    apply_result(traj, result, self.max_response_length)
+                    apply_result(traj, result, budget)
         if self.reward_fn is not None:
             for traj in trajs:
                 if traj.status.finished and traj.reward is None:
