@@ -7,7 +7,7 @@ kind of machine). Each workload is predicted twice: with the profile's own respo
 user gets from a first look) and with the lengths of a whole colocate run of the config
 (``--lengths_from`` its ledger: a learning policy's lengths change after the profile's first steps).
 
-    python benchmarks/plan_accuracy.py          # both workloads, ~10 minutes on 2 cores
+    python benchmarks/plan_accuracy.py          # the three workloads, ~15 minutes on 2 cores
 
 Written to ``--out`` (default ``benchmarks/results/plan/``): ``accuracy.md`` (machine record and
 tables; ``accuracy-<workload>.md`` when ``--workloads`` names a subset), ``<workload>-profile/`` and
@@ -39,6 +39,8 @@ WORKLOADS = {
     "main-job": ("configs/tiny_cpu.yaml", "benchmarks/results/speedup/speedup.csv", [], []),
     "long-tail": ("configs/tiny_cpu_longtail.yaml", "benchmarks/results/speedup_longtail/speedup.csv",
                   ["--trainer.rollout_steps=80"], ["--oversample", "16"]),
+    "long-tail-fixed": ("configs/tiny_cpu_longtail_fixed.yaml", "benchmarks/results/speedup_longtail_fixed/speedup.csv",
+                        ["--trainer.rollout_steps=40"], ["--oversample", "16"]),
 }
 
 

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from lightning_fasync.config import ConfigError, FasyncConfig, validate, with_overrides
@@ -70,6 +70,13 @@ ones keep the config's other keys. ``colocate + partial`` over-dispatches B // 4
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
 CURVE_TOKENS = 48
+PREFILL_TOKENS = 256
+"""Prompt tokens of each request of the prefill measurement (:func:`_engine_curve`)."""
+CURVE_MIN_S = 0.3
+CURVE_REPEATS = 3
+"""Each point of the engine's curve (and its prefill rate) is the median of ``CURVE_REPEATS``
+measurements, each batches sent back to back for at least ``CURVE_MIN_S`` seconds: one batch of 48
+tokens lasts 0.05–0.15 s on a CPU, and single batches put one engine's curve 60 % apart between runs."""
 PROFILE_TIMEOUT_S = 1800.0
 
 
@@ -85,6 +92,8 @@ class EngineCurve:
     """(concurrent requests, aggregate tokens/s)."""
     peak_tokens_per_s: float
     half_saturation: float
+    prefill_tokens_per_s: float = 0.0
+    """Prompt tokens/s the engine prefills at (0: not measured, prefill free in the simulation)."""
 
 
 @dataclass
@@ -208,7 +217,9 @@ def _profile_run(name: str, args: Sequence[str], mode: Sequence[str], steps: int
 
 def _engine_curve(model: str, cores: list[int], max_running: int) -> EngineCurve:
     """Decode tokens/s of one real engine server pinned to ``cores`` (as the mode pins it), at each
-    concurrency: ``c`` requests of :data:`CURVE_TOKENS` tokens sent together, over HTTP."""
+    concurrency: ``c`` requests of :data:`CURVE_TOKENS` tokens sent together, over HTTP; and its
+    prefill tokens/s: ``max_running`` requests of :data:`PREFILL_TOKENS`-token prompts and one new
+    token each (as an aborted request's prompt and tokens so far are prefilled again)."""
     from lightning_fasync.fleet.pool import RolloutPool
     from lightning_fasync.pipeline.engine_client import GenerateRequest, SamplingParams
 
@@ -222,20 +233,37 @@ def _engine_curve(model: str, cores: list[int], max_running: int) -> EngineCurve
             params = SamplingParams(max_new_tokens=CURVE_TOKENS, temperature=1.0, ignore_eos=True)
             prompt = [1, 5, 6, 7, 8, 9]
             await client.generate_batch([GenerateRequest("warm", prompt, params)])
+
+            async def rate(reqs: list[Any], tokens: Any) -> float:
+                """Median over repeats of tokens/s, each repeat sending ``reqs`` until CURVE_MIN_S passed."""
+                rates = []
+                for _ in range(CURVE_REPEATS):
+                    done, t0 = 0, time.perf_counter()
+                    while True:
+                        done += tokens(await client.generate_batch(reqs))
+                        dt = time.perf_counter() - t0
+                        if dt >= CURVE_MIN_S:
+                            break
+                    rates.append(done / dt)
+                return statistics.median(rates)
+
             for c in [c for c in CONCURRENCIES if c <= max_running]:
                 reqs = [GenerateRequest(f"c{c}-{i}", prompt, params) for i in range(c)]
-                t0 = time.perf_counter()
-                results = await client.generate_batch(reqs)
-                dt = time.perf_counter() - t0
-                points.append((c, sum(len(r.output_ids) for r in results) / dt))
+                points.append((c, await rate(reqs, lambda results: sum(len(r.output_ids) for r in results))))
+            one = SamplingParams(max_new_tokens=1, temperature=1.0, ignore_eos=True)
+            n = min(max_running, 64)
+            long = [[1] + [5 + (i * 7 + j) % 90 for j in range(PREFILL_TOKENS - 1)] for i in range(n)]
+            reqs = [GenerateRequest(f"p-{i}", ids, one) for i, ids in enumerate(long)]
+            prefill.append(await rate(reqs, lambda results: n * PREFILL_TOKENS))
         finally:
             await client.close()
 
+    prefill: list[float] = []
     try:
         asyncio.run(measure())
     finally:
         pool.stop()
-    return fit_curve(points, threads=len(cores))
+    return replace(fit_curve(points, threads=len(cores)), prefill_tokens_per_s=prefill[0])
 
 
 def profile(args: Sequence[str], cfg: FasyncConfig, ns: Any, steps: int) -> Profile:
@@ -289,7 +317,8 @@ def _cpu_sim(cfg: FasyncConfig, prof: Profile, colocate: bool, steps: int, seed:
     cfg = validate(with_overrides(cfg, over))
     sim = SimConfig(steps=steps, seed=seed, num_prompts=4096, total_gpus=per,
                     replica=ReplicaModel(curve.peak_tokens_per_s, curve.half_saturation,
-                                         measured=[[c, t] for c, t in curve.points]),
+                                         measured=[[c, t] for c, t in curve.points],
+                                         prefill_tokens_per_s=curve.prefill_tokens_per_s),
                     train_base_s=run.trainer.base_s, train_s_per_ktoken=run.trainer.s_per_ktoken,
                     train_reference_gpus=per if colocate else 1, weight_sync_s=run.sync_s + run.other_s,
                     pause_overhead_s=run.pause_s, colocate_switch_s=0.0)
@@ -390,8 +419,9 @@ def _profile_text(prof: Profile) -> str:
            f"- response lengths over {len(lens)} trajectories: median {q(0.5)}, p90 {q(0.9)}, p99 {q(0.99)}, max {lens[-1]}"]
     for threads, c in sorted(prof.engine.items()):
         pts = ", ".join(f"{n}: {t:.0f}" for n, t in c.points)
+        prefill = f"; prefill {c.prefill_tokens_per_s:.0f} tokens/s" if c.prefill_tokens_per_s else ""
         out.append(f"- engine on {threads} core(s): tokens/s by concurrency {{{pts}}}; fit peak {c.peak_tokens_per_s:.0f} "
-                   f"tokens/s, half-saturation {c.half_saturation:.1f}")
+                   f"tokens/s, half-saturation {c.half_saturation:.1f}{prefill}")
     for run in (prof.colocate, prof.fully_async):
         t = run.trainer
         out.append(f"- trainer ({run.mode}, {t.threads} thread(s)): {t.base_s:.3f} s per call + {t.s_per_ktoken:.3f} s per "

@@ -8,6 +8,7 @@ and timers) on a virtual clock; only the engines and the trainer's compute are m
 - rollout replicas decode with a throughput-vs-concurrency curve: aggregate tokens/s
   ``T(c) = peak * c / (c + half)``, shared equally by the ``c`` running requests (processor
   sharing), with ``c`` capped at ``rollout.sglang_args.max_running_requests`` (the rest queue);
+  with a prefill rate, each request first prefills its input (a resumed one its tokens so far too);
 - response lengths are long-tailed (log-normal, truncated at ``rollout.max_response_length``) or
   replayed from a trace (``--trace``: JSONL lines ``{"prompt": index, "lengths": [N ints]}``);
 - a training call takes ``train_base_s + tokens * train_s_per_ktoken / 1000`` seconds on the
@@ -47,6 +48,11 @@ class ReplicaModel:
     """Measured ``[concurrency, aggregate tokens/s]`` points (``lightning-fasync plan`` gives them);
     when given, the throughput at ``c`` is their piecewise-linear interpolation (flat past the last
     point, ``T(1) * c`` below the first) instead of the curve above."""
+    prefill_tokens_per_s: float = 0.0
+    """Input tokens/s the replica prefills at: every request first prefills its prompt, and a resumed
+    one its prompt and its tokens so far again (an aborted request's KV is gone). ``L`` input tokens
+    hold the whole replica ``L / prefill_tokens_per_s`` seconds. 0 (the default): prefill is free,
+    the model of an engine that prefills far faster than it decodes."""
 
     def throughput(self, c: int) -> float:
         """Aggregate decode tokens/s with ``c`` requests running."""
@@ -139,6 +145,7 @@ class _Request:
     key: float = 0.0  # finish point on the replica's virtual-progress axis
     start_progress: float = 0.0
     base_len: int = 0
+    prefill: float = 0.0  # the prefill's share of the request's progress (ReplicaModel.prefill_tokens_per_s)
     version: int = 0
     dead: bool = False
 
@@ -168,7 +175,14 @@ class _Replica:
             self.waiting.append(req)
             return
         req.start_progress = self.progress
-        req.key = self.progress + (req.target - req.base_len)
+        req.prefill = 0.0
+        if self.model.prefill_tokens_per_s > 0:
+            # L input tokens hold the whole replica L / P seconds: at c running requests, each advancing
+            # T(c) / c tokens/s, that is L * T(c) / P of this request's progress.
+            c = min(self.num_running + 1, self.max_running)
+            inputs = len(req.sample.input_ids) + req.base_len
+            req.prefill = inputs * self.model.throughput(c) / self.model.prefill_tokens_per_s
+        req.key = self.progress + req.prefill + (req.target - req.base_len)
         self._tie += 1
         heapq.heappush(self.running, (req.key, self._tie, req))
         self.num_running += 1
@@ -197,7 +211,7 @@ class _Replica:
         for _, _, req in self.running:
             if not req.dead:
                 req.dead = True
-                out.append((req, int(self.progress - req.start_progress)))
+                out.append((req, max(0, int(self.progress - req.start_progress - req.prefill))))
         for req in self.waiting:
             out.append((req, 0))
         self.running, self.waiting, self.num_running = [], [], 0

@@ -104,6 +104,48 @@ def test_oversample_sets_how_much_colocate_plus_partial_over_dispatches():
         main(["--config", DAPO, "--oversample", "-1"])
 
 
+def test_a_measured_prefill_rate_makes_resumed_requests_cost_what_they_prefill_again():
+    """colocate + partial resumes its aborted long tail every step, each request prefilled again from
+    its tokens so far: with the engine's prefill rate in the profile that costs time, so the row is
+    slower than with prefill free, and the slower the prefill the slower the row; colocate, which
+    resumes nothing, moves only by its prompts' prefill."""
+    from lightning_fasync.config import load_config_file
+    from lightning_fasync.simulate import SimConfig
+
+    cfg, _ = load_config_file(DAPO, simulate=SimConfig)
+    prof = _profile(cfg)
+    groups = [[400 if g % 3 == 0 and i == 0 else 10 for i in range(cfg.N)] for g in range(48)]
+    modes = [m for m in MODES if m[0] in ("colocate", "colocate + partial")]
+
+    def rows(prefill):
+        engine = {k: dataclasses.replace(c, prefill_tokens_per_s=prefill) for k, c in prof.engine.items()}
+        return predict(cfg, dataclasses.replace(prof, engine=engine), steps=8, modes=modes, lengths=groups, oversample=cfg.B)
+
+    free, fast, slow = rows(0.0), rows(20000.0), rows(2000.0)
+    assert free[1]["avg_step_excl0"] < fast[1]["avg_step_excl0"] < slow[1]["avg_step_excl0"]
+    moved = lambda a, b, i: b[i]["avg_step_excl0"] / a[i]["avg_step_excl0"] - 1  # noqa: E731
+    assert moved(free, slow, 1) > 2 * moved(free, slow, 0)  # partial pays for the tokens it resumes
+
+
+def test_the_replica_holds_a_resumed_request_for_its_prefill_and_an_abort_counts_only_decoded_tokens():
+    from lightning_fasync.simulate import ReplicaModel, _Replica, _Request
+    from lightning_fasync.types import PromptId, PromptSample
+
+    model = ReplicaModel(measured=[[1, 100.0], [64, 6400.0]], prefill_tokens_per_s=1000.0)
+    replica = _Replica(model, 64)
+    sample = PromptSample(PromptId(0, 0), [1] * 10, {})
+    req = _Request(traj=None, sample=sample, target=150, base_len=90)  # 60 tokens to go, 100 inputs to prefill
+    replica.admit(req)
+    assert replica.next_finish_dt() == pytest.approx(100 / 1000.0 + 60 / 100.0)  # L / P, then 60 tokens at T(1)
+    replica.advance(0.05)  # half the prefill: nothing decoded yet
+    assert replica.abort_all() == [(req, 0)]
+    req2 = _Request(traj=None, sample=sample, target=150, base_len=90)
+    replica.admit(req2)
+    replica.advance(0.1 + 0.2)  # the prefill, then 20 tokens
+    ((_, decoded),) = replica.abort_all()
+    assert decoded in (19, 20)  # int() of the progress, float rounding either side
+
+
 def test_refusals_name_the_option(tmp_path):
     with pytest.raises(ConfigError, match="`--config` is 'nope.yaml', which does not exist"):
         main(["--config", "nope.yaml"])
@@ -129,6 +171,8 @@ def test_a_short_profile_of_the_main_job_predicts_every_mode(tmp_path):
     assert prof["cores"] >= 1 and prof["colocate"]["trainer"]["s_per_ktoken"] > 0
     assert prof["fully_async"]["trainer"]["s_per_ktoken"] > 0
     assert all(curve["peak_tokens_per_s"] > 0 and len(curve["points"]) >= 3 for curve in prof["engine"].values())
+    assert all(curve["prefill_tokens_per_s"] > 0 for curve in prof["engine"].values())
+    assert "prefill" in proc.stdout
     assert sum(len(g) for g in prof["colocate"]["lengths"]) == 4 * 16 * 8  # every consumed group of its 4 steps
     assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
     assert "Recommended: " in proc.stdout and "engine on" in proc.stdout
