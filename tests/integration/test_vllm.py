@@ -215,6 +215,7 @@ def test_an_aborted_request_keeps_its_tokens_and_versions_and_resumes_from_them_
                 "long-rest", prompt + first.output_ids, SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True)))
             return prompt, first, rest
         finally:
+            await client._request("POST", pool.worker_urls[0] + "/resume")  # the module's other tests need it serving
             await sync.close()
             await client.close()
 
@@ -265,6 +266,7 @@ def test_an_inflight_update_freezes_the_requests_and_keeps_or_recomputes_their_k
             await sync.push(new_w, 9)
             return batch, await asyncio.gather(*longs)
         finally:
+            await client._request("POST", pool.worker_urls[0] + "/resume")  # the module's other tests need it serving
             await sync.close()
             await client.close()
 
