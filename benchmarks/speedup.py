@@ -89,6 +89,9 @@ MODES: list[tuple[str, list[str]]] = [
     ("colocate", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"]),
     ("colocate + partial", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
                             f"--rollout.sampler.num_oversample={B // 4}"]),
+    # The long tail frozen in the engines (KV kept) through training and the sync instead of aborted.
+    ("colocate + partial, tail frozen", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
+                                         "--rollout.weight_update_mode=inflight", f"--rollout.sampler.num_oversample={B // 4}"]),
     ("fully-async, abort and resume", ABORT),
     ("fully-async, shared cores", SHARED + ABORT),
     ("fully-async no-window, stale 1.0", ["--fully_async.sliding_window=no-window", "--fully_async.stale_steps=1.0", *ABORT]),
@@ -441,7 +444,7 @@ def select_modes(only: Optional[list[str]], oversample: int = B // 4) -> list[tu
         raise SystemExit(f"--oversample is {oversample}; it must be >= 0 (groups colocate + partial over-dispatches).")
     flag = "--rollout.sampler.num_oversample="
     picked = [(name, ov) for name, ov in MODES if name == BASELINE or only is None or slug(name) in only]
-    return [(name, [o for o in ov if not o.startswith(flag)] + ([f"{flag}{oversample}"] if name == "colocate + partial" else []))
+    return [(name, [o for o in ov if not o.startswith(flag)] + ([f"{flag}{oversample}"] if name.startswith("colocate + partial") else []))
             for name, ov in picked]
 
 

@@ -51,6 +51,9 @@ MODES: list[tuple[str, dict[str, Any]]] = [
                   "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep"}),
     ("colocate + partial", {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
                             "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep"}),
+    ("colocate + partial, tail frozen", {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
+                                         "rollout.weight_update_mode": "inflight", "rollout.inflight_kv": "keep",
+                                         "colocate_offload": False}),
     ("fully-async, abort and resume", _ABORT),
     ("fully-async no-window, stale 1.0", {"fully_async.sliding_window": "no-window", "fully_async.stale_steps": 1.0, **_ABORT}),
     ("fully-async windowed-fifo, stale 1.0", {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 1.0,
@@ -66,7 +69,9 @@ MODES: list[tuple[str, dict[str, Any]]] = [
     ("fully-async, in-flight updates", {"rollout.partial": True, "rollout.weight_update_mode": "inflight"}),
 ]
 """The modes a plan predicts (``benchmarks/speedup.py`` measures the same rows live); the fully-async
-ones keep the config's other keys. ``colocate + partial`` over-dispatches B // 4 groups (``--oversample``)."""
+ones keep the config's other keys. Both ``colocate + partial`` rows over-dispatch B // 4 groups
+(``--oversample``); the second freezes the tail in the engines through training and the sync instead
+of aborting it, so the engines keep their memory (no colocate offload)."""
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
 CURVE_TOKENS = 48
@@ -358,7 +363,7 @@ def predict(cfg: FasyncConfig, prof: Optional[Profile], sim: Optional[SimConfig]
     rows = []
     for name, over in modes:
         over = dict(over)
-        if name == "colocate + partial":
+        if name.startswith("colocate + partial"):
             over["rollout.sampler.num_oversample"] = cfg.B // 4 if oversample is None else oversample
         if not over.get("colocate", False):
             over.setdefault("colocate", False)

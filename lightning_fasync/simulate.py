@@ -8,7 +8,9 @@ and timers) on a virtual clock; only the engines and the trainer's compute are m
 - rollout replicas decode with a throughput-vs-concurrency curve: aggregate tokens/s
   ``T(c) = peak * c / (c + half)``, shared equally by the ``c`` running requests (processor
   sharing), with ``c`` capped at ``rollout.sglang_args.max_running_requests`` (the rest queue);
-  with a prefill rate, each request first prefills its input (a resumed one its tokens so far too);
+  with a prefill rate, each request first prefills its input (a resumed one its tokens so far too),
+  and no request on that replica decodes meanwhile; a colocate step whose tail is frozen
+  (``rollout.weight_update_mode: inflight``) holds every replica still through training and the sync;
 - response lengths are long-tailed (log-normal, truncated at ``rollout.max_response_length``) or
   replayed from a trace (``--trace``: JSONL lines ``{"prompt": index, "lengths": [N ints]}``);
 - a training call takes ``train_base_s + tokens * train_s_per_ktoken / 1000`` seconds on the
@@ -145,14 +147,15 @@ class _Request:
     key: float = 0.0  # finish point on the replica's virtual-progress axis
     start_progress: float = 0.0
     base_len: int = 0
-    prefill: float = 0.0  # the prefill's share of the request's progress (ReplicaModel.prefill_tokens_per_s)
     version: int = 0
     dead: bool = False
 
 
 class _Replica:
     """Processor sharing via a virtual-progress axis: every running request advances by the same
-    number of tokens per second, so finish order is a heap on ``start + remaining``."""
+    number of tokens per second, so finish order is a heap on ``start + remaining``. A prefill
+    (:attr:`ReplicaModel.prefill_tokens_per_s`) stops every request's decoding for its time:
+    ``debt`` seconds the replica owes before the axis moves again."""
 
     def __init__(self, model: ReplicaModel, max_running: Optional[int]) -> None:
         self.model = model
@@ -161,6 +164,7 @@ class _Replica:
         self.running: list[tuple[float, int, _Request]] = []
         self.num_running = 0
         self.waiting: list[_Request] = []
+        self.debt = 0.0
         self._tie = 0
 
     def rate(self) -> float:
@@ -168,21 +172,19 @@ class _Replica:
         return self.model.throughput(c) / c if c else 0.0
 
     def advance(self, dt: float) -> None:
-        self.progress += self.rate() * dt
+        paid = min(dt, self.debt)
+        self.debt -= paid
+        self.progress += self.rate() * (dt - paid)
 
     def admit(self, req: _Request) -> None:
         if self.num_running >= self.max_running:
             self.waiting.append(req)
             return
         req.start_progress = self.progress
-        req.prefill = 0.0
         if self.model.prefill_tokens_per_s > 0:
-            # L input tokens hold the whole replica L / P seconds: at c running requests, each advancing
-            # T(c) / c tokens/s, that is L * T(c) / P of this request's progress.
-            c = min(self.num_running + 1, self.max_running)
-            inputs = len(req.sample.input_ids) + req.base_len
-            req.prefill = inputs * self.model.throughput(c) / self.model.prefill_tokens_per_s
-        req.key = self.progress + req.prefill + (req.target - req.base_len)
+            # L input tokens hold the whole replica L / P seconds: no running request decodes meanwhile.
+            self.debt += (len(req.sample.input_ids) + req.base_len) / self.model.prefill_tokens_per_s
+        req.key = self.progress + (req.target - req.base_len)
         self._tie += 1
         heapq.heappush(self.running, (req.key, self._tie, req))
         self.num_running += 1
@@ -192,7 +194,7 @@ class _Replica:
             heapq.heappop(self.running)
         if not self.running:
             return math.inf
-        return max(self.running[0][0] - self.progress, 0.0) / self.rate()
+        return self.debt + max(self.running[0][0] - self.progress, 0.0) / self.rate()
 
     def pop_finished(self) -> list[_Request]:
         done = []
@@ -211,10 +213,10 @@ class _Replica:
         for _, _, req in self.running:
             if not req.dead:
                 req.dead = True
-                out.append((req, max(0, int(self.progress - req.start_progress - req.prefill))))
+                out.append((req, max(0, int(self.progress - req.start_progress))))
         for req in self.waiting:
             out.append((req, 0))
-        self.running, self.waiting, self.num_running = [], [], 0
+        self.running, self.waiting, self.num_running, self.debt = [], [], 0, 0.0  # no prefill left to owe
         return out
 
 
@@ -252,6 +254,13 @@ class _SimRollout:
             sim.advance_to(t)
         sim.now += sim.sim.pause_overhead_s
 
+    def freeze_in_flight(self, timeout: float) -> None:
+        self.sim.frozen = True
+        self.sim.now += self.sim.sim.pause_overhead_s
+
+    def thaw(self, timeout: float) -> None:
+        self.sim.frozen = False
+
 
 class Simulation:
     """One simulated run of ``cfg`` (fully-async, or colocate with or without partial rollout).
@@ -265,6 +274,7 @@ class Simulation:
     def __init__(self, cfg: FasyncConfig, sim: SimConfig, trace: Optional[dict[int, list[int]]] = None, events_path: Optional[str] = None) -> None:
         self.cfg, self.sim, self.trace = cfg, sim, trace
         self.now = 0.0
+        self.frozen = False  # colocate in-flight: the engines hold their requests (_SimRollout.freeze_in_flight)
         self.rng = random.Random(sim.seed)
         fa = cfg.fully_async.enable
         per_replica = max(1, _gpus_per_replica(cfg))
@@ -331,7 +341,9 @@ class Simulation:
 
     def advance_to(self, t: float) -> None:
         dt = t - self.now
-        if dt > 0:
+        if dt > 0 and self.frozen:
+            self.now = t
+        elif dt > 0:
             for r in self.replicas:
                 r.advance(dt)
             self.now = t
@@ -342,6 +354,8 @@ class Simulation:
         self.state.collect_once()
 
     def next_engine_time(self) -> float:
+        if self.frozen:
+            return math.inf
         return self.now + min((r.next_finish_dt() for r in self.replicas), default=math.inf)
 
     def run_until(self, t_end: float) -> None:

@@ -127,7 +127,31 @@ def test_a_measured_prefill_rate_makes_resumed_requests_cost_what_they_prefill_a
     assert moved(free, slow, 1) > 2 * moved(free, slow, 0)  # partial pays for the tokens it resumes
 
 
-def test_the_replica_holds_a_resumed_request_for_its_prefill_and_an_abort_counts_only_decoded_tokens():
+def test_the_frozen_tail_pays_no_prefill_again_and_decodes_nothing_while_the_trainer_runs(monkeypatch):
+    """colocate + partial with the tail frozen (weight_update_mode: inflight) against abort and
+    resume: with a slow prefill the frozen row is the faster one, restores nothing and still spans
+    versions; and its replicas really stop during training: with a freeze that holds nothing (the
+    tail decoding through training, which a colocate step must not do) the row would be faster."""
+    from lightning_fasync.config import load_config_file
+    from lightning_fasync.simulate import SimConfig, _SimRollout
+
+    cfg, _ = load_config_file(DAPO, simulate=SimConfig)
+    prof = _profile(cfg)
+    engine = {k: dataclasses.replace(c, prefill_tokens_per_s=2000.0) for k, c in prof.engine.items()}
+    prof = dataclasses.replace(prof, engine=engine)
+    groups = [[400 if g % 3 == 0 and i == 0 else 10 for i in range(cfg.N)] for g in range(48)]
+    modes = [m for m in MODES if m[0].startswith("colocate")]
+    assert [m[0] for m in modes] == ["colocate", "colocate + partial", "colocate + partial, tail frozen"]
+    _, abort, frozen = predict(cfg, prof, steps=8, modes=modes, lengths=groups, oversample=cfg.B)
+    assert frozen["avg_step_excl0"] < abort["avg_step_excl0"]
+    assert abort["partial_restored_count"] > 0 and frozen["partial_restored_count"] == 0
+    assert frozen["partial_ratio"] > 0
+    monkeypatch.setattr(_SimRollout, "freeze_in_flight", lambda self, timeout: None)
+    (_, _, leaky) = predict(cfg, prof, steps=8, modes=modes, lengths=groups, oversample=cfg.B)
+    assert leaky["avg_step_excl0"] < frozen["avg_step_excl0"]
+
+
+def test_a_prefill_holds_the_whole_replica_and_an_abort_counts_only_decoded_tokens():
     from lightning_fasync.simulate import ReplicaModel, _Replica, _Request
     from lightning_fasync.types import PromptId, PromptSample
 
@@ -144,6 +168,14 @@ def test_the_replica_holds_a_resumed_request_for_its_prefill_and_an_abort_counts
     replica.advance(0.1 + 0.2)  # the prefill, then 20 tokens
     ((_, decoded),) = replica.abort_all()
     assert decoded in (19, 20)  # int() of the progress, float rounding either side
+    # A prefill holds the whole replica: a request admitted mid-decode stops the running one too.
+    short = PromptSample(PromptId(0, 1), [1] * 10, {})
+    first = _Request(traj=None, sample=short, target=60)
+    replica.admit(first)
+    replica.advance(0.01 + 0.3)  # its 10-token prefill, then 30 of its 60 tokens
+    replica.admit(_Request(traj=None, sample=sample, target=150, base_len=90))  # 100 inputs: 0.1 s
+    # 30 tokens to go at T(2) / 2 = 100 tokens/s each, after the newcomer's 0.1 s of prefill
+    assert replica.next_finish_dt() == pytest.approx(0.1 + 30 / 100.0)
 
 
 def test_refusals_name_the_option(tmp_path):

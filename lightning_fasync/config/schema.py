@@ -970,10 +970,14 @@ class FasyncConfig:
     @property
     def boundary_mode(self) -> str:
         """How this run's step boundaries treat the requests in flight: ``wait``, ``abort`` or
-        ``inflight`` (:attr:`RolloutConfig.boundary_mode`; a colocate step generates nothing during the
-        update, so ``auto`` reads ``abort`` there)."""
+        ``inflight`` (:attr:`RolloutConfig.boundary_mode`). In colocate ``auto`` reads ``abort``; an
+        explicit ``inflight`` there freezes the over-dispatched requests in the engines, their KV cache
+        kept, from the end of the rollout phase through training and the sync
+        (:meth:`~lightning_fasync.pipeline.controller.FullyAsyncController.fetch`)."""
         mode = self.rollout.boundary_mode
-        return "abort" if mode == "inflight" and not self.fully_async.enable else mode
+        if mode == "inflight" and not self.fully_async.enable and self.rollout.weight_update_mode != "inflight":
+            return "abort"
+        return mode
 
     @property
     def sources(self) -> list[DataSourceConfig]:

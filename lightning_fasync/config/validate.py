@@ -162,20 +162,21 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
                 f"`rollout.sampler.num_oversample` is {cfg.rollout.sampler.num_oversample} while "
                 "`fully_async.enable` is true; it must be 0, extra in-flight capacity comes from fully_async.stale_steps."
             )
-    if cfg.rollout.weight_update_mode == "inflight" and not fa.enable:
-        raise ConfigError(
-            "`rollout.weight_update_mode` is inflight while `fully_async.enable` is false; colocate steps generate "
-            "nothing during the update, so there is no request to keep in flight: use fully_async.enable: true "
-            "(or weight_update_mode: auto, which reads abort in colocate)."
-        )
     if cfg.rollout.inflight_kv != "keep" and cfg.boundary_mode != "inflight":
         raise ConfigError(
-            f"`rollout.inflight_kv` is {cfg.rollout.inflight_kv} while `fully_async.enable` is false; it applies to "
-            "in-flight updates only, which colocate steps have none of: leave it at keep."
+            f"`rollout.inflight_kv` is {cfg.rollout.inflight_kv} while `fully_async.enable` is false and "
+            "`rollout.weight_update_mode` is auto; colocate reads auto as abort, and inflight_kv applies to in-flight "
+            "updates only: leave it at keep, or set weight_update_mode: inflight."
         )
     offload = cfg.colocate_offload
     if offload not in (True, False, "auto"):
         raise ConfigError(f"`colocate_offload` is {offload!r}; it must be true, false or auto.")
+    if offload is True and cfg.boundary_mode == "inflight" and not fa.enable:
+        raise ConfigError(
+            "`colocate_offload` is true while `rollout.weight_update_mode` is inflight; offloading hands the engines' "
+            "KV cache to the trainer, which the requests frozen through training still hold: set colocate_offload: "
+            "false, or weight_update_mode: abort."
+        )
     if offload is True and (fa.enable or not cfg.colocate):
         on = "`fully_async.enable` is true" if fa.enable else "`colocate` is false"
         raise ConfigError(

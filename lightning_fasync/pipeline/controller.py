@@ -102,6 +102,14 @@ class Rollout(Protocol):
     def await_in_flight(self, timeout: float) -> None:
         """Return once every in-flight request has finished (``rollout.partial: false``)."""
 
+    def freeze_in_flight(self, timeout: float) -> None:
+        """Hold every in-flight request where it is, its KV cache kept, until :meth:`thaw` (colocate
+        with ``rollout.weight_update_mode: inflight``: the engines stop decoding while the trainer
+        runs)."""
+
+    def thaw(self, timeout: float) -> None:
+        """Let the requests :meth:`freeze_in_flight` held go on decoding. Idempotent."""
+
 
 class ThreadedRollout:
     """The live engine side: the producer thread (window strategy → agent flow → engines) and the
@@ -134,6 +142,12 @@ class ThreadedRollout:
 
     def await_in_flight(self, timeout: float) -> None:
         self.state.wait_in_flight(timeout)
+
+    def freeze_in_flight(self, timeout: float) -> None:
+        self.producer.pause_engines("in_place", timeout)
+
+    def thaw(self, timeout: float) -> None:
+        self.producer.resume_engines(timeout)
 
 
 @dataclass
@@ -273,9 +287,15 @@ class FullyAsyncController:
         # More step metrics, read at each boundary on the main thread (e.g. the engine supervisor's).
         self.metric_sources: list[Callable[[], Mapping[str, float]]] = []
         self._rollout_done = False  # colocate: the current step's rollout phase has ended
+        self._frozen = False  # colocate in-flight: the engines hold the long tail until the sync
         # Colocate with offload: the spec's five stages (ColocateHooks); fully-async runs none of them.
         self.offload = colocate_offload and self.colocate
         self._handed_to_train = False  # offload_rollout + onload_train ran this step
+        if self.offload and cfg.boundary_mode == "inflight":
+            raise PipelineError(
+                "`rollout.weight_update_mode` is inflight while colocate offload is on (`colocate_offload` auto on "
+                "a CUDA trainer); offloading hands the engines' KV cache to the trainer, which the requests frozen "
+                "through training still hold: set colocate_offload: false, or weight_update_mode: abort.")
         self._train_t0: Optional[float] = None
         self._in_boundary = False
         self._saved_step: Optional[int] = None
@@ -369,16 +389,25 @@ class FullyAsyncController:
 
         Colocate mode: the first fetch of a step waits for the whole batch (B groups), then pauses
         rollout (``rollout.partial`` aborts the over-dispatched long tail, else waits for it) before
-        any training, so rollout and training never overlap. With colocate offload it then hands
-        the devices to the trainer through ``hooks`` (``timing/offload_rollout``,
-        ``timing/onload_train``).
+        any training, so rollout and training never overlap. With ``rollout.weight_update_mode:
+        inflight`` the long tail is frozen in the engines instead, its KV cache kept, through training
+        and the sync, after which it goes on decoding under the new weights (a boundary that saves or
+        evaluates aborts it, as in fully-async mode). With colocate offload it then hands the devices
+        to the trainer through ``hooks`` (``timing/offload_rollout``, ``timing/onload_train``).
         """
         self.state.raise_if_error()
         k, timeout = self.cfg.groups_per_minibatch, self.cfg.fully_async.fetch_timeout
         with self.timer.time("rollout"):
             if self.colocate and not self._rollout_done:
                 self.rollout.wait_for_groups(self.cfg.B, timeout)
-                self.pause()
+                if self.inflight_boundary(self.state.rollout_step):
+                    t0 = self.clock()
+                    self.pause(inflight=True)
+                    self._frozen = True  # before the call: a freeze that fails half-way is thawed
+                    self.rollout.freeze_in_flight(self.cfg.fully_async.pause_timeout)
+                    self.timer.add("pause_delay", self.clock() - t0)
+                else:
+                    self.pause()
                 self._rollout_done = True
             self.rollout.wait_for_groups(k, timeout)
             groups = self.state.try_fetch(k)
@@ -475,6 +504,8 @@ class FullyAsyncController:
                                 if inflight else "abort")
         if not self.colocate:
             self.pause(inflight)
+        elif self._frozen and not inflight:  # a save forced (preemption) or engines lost since the freeze:
+            self.pause()  # the frozen tail is aborted after all, so a checkpoint holds its tokens
 
         metrics = self.state.step_metrics()
         for source in self.metric_sources:
@@ -504,8 +535,11 @@ class FullyAsyncController:
             t0 = self.clock()
             with self.timer.time("update_weights"):
                 hooks.sync_weights(self.state.weight_version + 1)
-            if inflight:  # the engines held the requests frozen for exactly the sync
+            if inflight and not self.colocate:  # the engines held the requests frozen for exactly the sync
                 self.timer.add("pause_delay", self.clock() - t0)
+            if self._frozen:  # the sync resumed the engines; thawing again is idempotent (the simulator's)
+                self._frozen = False
+                self.rollout.thaw(self.cfg.fully_async.pause_timeout)
             self.state.events.emit(
                 "sync", R=self.state.R, Q=self.state.Q, step=step, weight_version=self.state.weight_version + 1,
                 dur=round(self.clock() - t0, 6),

@@ -115,5 +115,15 @@ class EngineClient(abc.ABC):
         """
         return list(await asyncio.gather(*(self.generate(r) for r in requests), return_exceptions=True))
 
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop the engines generating (SGLang ``/pause_generation``): ``abort``, ``in_place`` (the
+        requests wait where they are, their KV cache kept) or ``retract``. A client whose engines
+        cannot pause leaves this out, and the modes that need it (colocate in-flight) refuse to run."""
+        raise EngineError(f"{type(self).__name__} cannot pause its engines (pause mode {mode!r}).")
+
+    async def resume(self) -> None:
+        """Let paused engines generate again (SGLang ``/continue_generation``)."""
+        raise EngineError(f"{type(self).__name__} cannot resume its engines.")
+
     async def close(self) -> None:
         """Release connections. Idempotent."""

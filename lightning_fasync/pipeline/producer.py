@@ -197,6 +197,17 @@ class RolloutProducer:
         finally:
             self._cancel_queued = False
 
+    def pause_engines(self, mode: str, timeout: float) -> None:
+        """``pause(mode)`` on every engine, from the main thread (colocate's frozen long tail)."""
+        if self.client is None:
+            raise PipelineError("Freezing the requests in flight needs an engine client; this producer has none.")
+        self.run_coroutine(self.client.pause(mode), timeout)
+
+    def resume_engines(self, timeout: float) -> None:
+        """``resume()`` on every engine, from the main thread. Idempotent."""
+        if self.client is not None:
+            self.run_coroutine(self.client.resume(), timeout)
+
     def _abort_in_flight(self, timeout: float, wait: bool = True) -> None:
         if self.loop is None:
             return

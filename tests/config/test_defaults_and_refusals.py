@@ -144,10 +144,20 @@ def test_plugins_must_import():
         validate(cfg)
 
 
-def test_inflight_updates_need_fully_async():
-    cfg = load_config({"rollout": {"partial": True, "weight_update_mode": "inflight"}})
-    with pytest.raises(ConfigError, match="`rollout.weight_update_mode` is inflight while `fully_async.enable` is false"):
-        validate(cfg)
+def test_colocate_reads_auto_as_abort_and_inflight_as_the_frozen_tail():
+    auto = load_config({"rollout": {"partial": True, "weight_update_mode": "auto"}})
+    validate(auto)
+    assert auto.rollout.boundary_mode == "inflight" and auto.boundary_mode == "abort"
+    frozen = load_config({"rollout": {"partial": True, "weight_update_mode": "inflight"}})
+    validate(frozen)
+    assert frozen.boundary_mode == "inflight"
+    # Offloading hands the KV cache the frozen requests hold to the trainer.
+    offload = load_config({"rollout": {"partial": True, "weight_update_mode": "inflight"}, "colocate_offload": True})
+    with pytest.raises(ConfigError, match="`colocate_offload` is true while `rollout.weight_update_mode` is inflight"):
+        validate(offload)
+    recompute = load_config({"rollout": {"partial": True, "weight_update_mode": "auto", "inflight_kv": "recompute"}})
+    with pytest.raises(ConfigError, match="`rollout.inflight_kv` is recompute while `fully_async.enable` is false"):
+        validate(recompute)
 
 
 @pytest.mark.parametrize("partial,mode,effective", [(False, None, "wait"), (True, None, "abort"),

@@ -20,6 +20,9 @@ def test_speedup_oversample_sets_colocate_plus_partials_over_dispatch_only():
     assert list(modes) == ["colocate", "colocate + partial", "fully-async, abort and resume"]
     assert [o for o in modes["colocate + partial"] if "num_oversample" in o] == ["--rollout.sampler.num_oversample=16"]
     assert not any("num_oversample" in o for name in ("colocate", "fully-async, abort and resume") for o in modes[name])
+    frozen = dict(speedup.select_modes(["colocate-partial-tail-frozen"], 16))["colocate + partial, tail frozen"]
+    assert [o for o in frozen if "num_oversample" in o] == ["--rollout.sampler.num_oversample=16"]
+    assert "--rollout.weight_update_mode=inflight" in frozen
     default = dict(speedup.select_modes(None))["colocate + partial"]
     assert f"--rollout.sampler.num_oversample={speedup.B // 4}" in default
     with pytest.raises(SystemExit, match="--oversample is -1"):

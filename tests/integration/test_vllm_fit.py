@@ -107,7 +107,7 @@ def test_the_main_job_trains_on_a_vllm_server_with_its_weights_synced_over_vllms
 
 
 def test_a_killed_vllm_server_comes_back_with_the_trainers_weights_and_nothing_is_lost(tmp_path):
-    steps = 14
+    steps = 8
     proc, log = start_fit(tmp_path, steps)
     try:
         deadline = time.monotonic() + 600
