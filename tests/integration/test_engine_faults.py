@@ -140,7 +140,8 @@ def test_a_killed_single_replica_comes_back_with_the_trainers_weights_or_is_not_
             asyncio.run(push_kill_generate(weights, 4))
         assert first_kept.buckets is None, "the previous kept weights were not replaced"
         failures = events.wait("engine_restart_failed", count=2)
-        assert all("does not hold the trainer's weights of version 4" in f["error"] and name in f["error"] for f in failures)
+        assert all("does not hold the trainer's weights of version 4" in f["error"] and name in f["error"]
+                   for f in failures), [f["error"] for f in failures]
         assert len(events.named("engine_restarted")) == 1
         assert pool.workers.urls == []
         deadline = time.monotonic() + 10
