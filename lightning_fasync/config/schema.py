@@ -439,7 +439,9 @@ class RolloutConfig:
     ``wait`` (they finish first; ``rollout.partial: false``), ``abort`` (they are aborted and resume
     from their tokens after the update; ``rollout.partial: true``) or ``inflight`` (the engines freeze
     them during the update and they go on decoding under the new weights: nothing aborted, nothing
-    re-queued; needs ``rollout.partial: true``, as their trajectories span versions). null: the
+    re-queued; needs ``rollout.partial: true``, as their trajectories span versions; in a colocate run
+    the step's over-dispatched tail is frozen from the end of its rollout phase through training and
+    the sync, docs/weight_sync.md "In colocate"). null: the
     spec's behaviour, ``abort`` with ``rollout.partial`` and ``wait`` without. ``auto`` (the long-tailed
     workload's config): ``inflight`` where it was run against the engine itself (fully-async with
     ``rollout.partial`` on the ``embedded`` and ``vllm`` backends, vLLM's adapter path excepted),
