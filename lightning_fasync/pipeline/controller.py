@@ -46,6 +46,16 @@ from lightning_fasync.pipeline.window import make_window_strategy
 from lightning_fasync.types import TrajectoryGroup
 
 
+def check_frozen_tail_offload(cfg: FasyncConfig, offload: bool) -> None:
+    """Refuse colocate offload (resolved for the trainer's device) with a frozen tail: offloading hands
+    the engines' KV cache to the trainer, which the requests frozen through training still hold."""
+    if offload and not cfg.fully_async.enable and cfg.boundary_mode == "inflight":
+        raise PipelineError(
+            "`rollout.weight_update_mode` is inflight while colocate offload is on (`colocate_offload` auto on "
+            "a CUDA trainer); offloading hands the engines' KV cache to the trainer, which the requests frozen "
+            "through training still hold: set colocate_offload: false, or weight_update_mode: abort.")
+
+
 class StepHooks(Protocol):
     """What the training side provides at a step boundary."""
 
@@ -291,11 +301,7 @@ class FullyAsyncController:
         # Colocate with offload: the spec's five stages (ColocateHooks); fully-async runs none of them.
         self.offload = colocate_offload and self.colocate
         self._handed_to_train = False  # offload_rollout + onload_train ran this step
-        if self.offload and cfg.boundary_mode == "inflight":
-            raise PipelineError(
-                "`rollout.weight_update_mode` is inflight while colocate offload is on (`colocate_offload` auto on "
-                "a CUDA trainer); offloading hands the engines' KV cache to the trainer, which the requests frozen "
-                "through training still hold: set colocate_offload: false, or weight_update_mode: abort.")
+        check_frozen_tail_offload(cfg, self.offload)
         self._train_t0: Optional[float] = None
         self._in_boundary = False
         self._saved_step: Optional[int] = None

@@ -22,7 +22,7 @@ import torch
 from lightning_fasync.components import instantiate, load_object
 from lightning_fasync.config import ConfigError, DataSourceConfig, FasyncConfig
 from lightning_fasync.fleet.resources import ResourcePlan, pin_trainer
-from lightning_fasync.pipeline.controller import FullyAsyncController
+from lightning_fasync.pipeline.controller import FullyAsyncController, check_frozen_tail_offload
 from lightning_fasync.pipeline.datasource import DataSource, ListDataSource
 from lightning_fasync.pipeline.engine_client import EngineClient, SamplingParams
 from lightning_fasync.pipeline.evaluator import EvalSource, Evaluator
@@ -89,6 +89,7 @@ class RolloutRuntime:
     ) -> None:
         from lightning_fasync.weights.sync import resolve_weight_sync
 
+        check_frozen_tail_offload(cfg, colocate_offload)  # before any engine starts
         if weight_sync is not None and weight_sync not in weight_sync_choices():
             raise ConfigError(f"`weight_sync` is {weight_sync!r}; it must be one of {', '.join(weight_sync_choices())}.")
         weight_sync = resolve_weight_sync(cfg, weight_sync)

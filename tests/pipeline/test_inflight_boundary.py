@@ -343,3 +343,29 @@ def test_colocate_inflight_freezes_the_tail_through_training_and_the_sync(tmp_pa
     ledger = read_jsonl(str(tmp_path / "ledger.jsonl"))
     prompts = [r["prompt"] for r in ledger if r["kind"] == "consume"]
     assert len(prompts) == len(set(prompts)) == 5 * cfg.B
+
+
+def test_colocate_offload_with_the_frozen_tail_is_refused_before_any_engine_starts(tmp_path, monkeypatch):
+    """``colocate_offload: auto`` resolves on for a CUDA trainer; the frozen tail needs the engines'
+    memory through training, so the runtime refuses before it starts an engine, as the controller
+    does (the simulator's and a custom driver's way in)."""
+    from lightning_fasync.fleet.resources import plan_cpu_resources
+    from lightning_fasync.pipeline.state import PipelineError
+    from lightning_fasync.runtime.rollout_runtime import RolloutRuntime
+
+    cfg = make_cfg(**{"colocate": True, "fully_async.enable": False, "rollout.weight_update_mode": "inflight",
+                      "rollout.sampler.num_oversample": 4})
+    import lightning_fasync.runtime.rollout_runtime as rr
+
+    def no_engines(name):
+        raise AssertionError(f"an engine backend ({name}) was reached before the refusal")
+
+    monkeypatch.setattr(rr.ENGINE_BACKENDS, "get", no_engines)
+    with pytest.raises(PipelineError, match="`rollout.weight_update_mode` is inflight while colocate offload is on"):
+        RolloutRuntime(cfg, "tiny", plan_cpu_resources(1), log_dir=str(tmp_path), pin=False, colocate_offload=True)
+    ds = ListDataSource([([1, 2, 3], {})], seed=1)
+    engine = PausableEngine()
+    flow = SingleTurnFlow(engine, SamplingParams(), 16, reward_fn=lambda s, t: 1.0)
+    with pytest.raises(PipelineError, match="set colocate_offload: false, or weight_update_mode: abort"):
+        FullyAsyncController(cfg, ds, flow, engine, colocate_offload=True)
+    FullyAsyncController(cfg, ds, flow, engine, colocate_offload=False).shutdown()
