@@ -290,12 +290,11 @@ def test_colocate_inflight_freezes_the_tail_through_training_and_the_sync(tmp_pa
     """Colocate with ``weight_update_mode: inflight``: once the step's B groups are in, the
     over-dispatched requests are frozen in the engines (not aborted) until after the sync; no token
     is decoded while the trainer runs; they then go on under the new weights, so trajectories span
-    versions with nothing recycled. A boundary that saves aborts them instead (its checkpoint holds
+    versions. A boundary that saves aborts them instead (its checkpoint holds
     them), also when the save is forced after the freeze (a preempted run), and the sync's pause mode
     follows (``in_place`` or ``abort``)."""
     cfg = make_cfg(**{"colocate": True, "fully_async.enable": False, "rollout.weight_update_mode": "inflight",
-                      "rollout.sampler.num_oversample": 4, "rollout.max_response_length": 40, "trainer.save_freq": 3,
-                      "data_source.task_args": {}})
+                      "rollout.sampler.num_oversample": 4, "rollout.max_response_length": 40, "trainer.save_freq": 3})
     assert cfg.boundary_mode == "inflight"
     engine = PausableEngine()
     ds = ListDataSource([([1, 2, i % 7], {"sampling": {"max_new_tokens": 4 + 9 * (i % 4)}}) for i in range(400)], seed=1)
