@@ -19,6 +19,7 @@ __all__ = [
     "validate_backend",
     "import_plugins",
     "colocate_offload_enabled",
+    "check_frozen_tail_offload",
     "validate",
 ]
 
@@ -86,6 +87,19 @@ def colocate_offload_enabled(cfg: FasyncConfig, device_type: str) -> bool:
     if cfg.colocate_offload == "auto":
         return device_type == "cuda"
     return cfg.colocate_offload is True
+
+
+def check_frozen_tail_offload(cfg: FasyncConfig, offload: bool) -> None:
+    """Refuse colocate offload (``offload``: resolved for the trainer's device, where the caller knows
+    it) with a frozen tail (colocate with ``weight_update_mode: inflight``): offloading hands the
+    engines' KV cache to the trainer, which the requests frozen through training still hold."""
+    if offload and not cfg.fully_async.enable and cfg.boundary_mode == "inflight":
+        value = "true" if cfg.colocate_offload is True else f"{cfg.colocate_offload}, on for a CUDA trainer,"
+        raise ConfigError(
+            f"`colocate_offload` is {value} while `rollout.weight_update_mode` is inflight; offloading hands the "
+            "engines' KV cache to the trainer, which the requests frozen through training still hold: set "
+            "colocate_offload: false, or weight_update_mode: abort."
+        )
 
 
 def validate(cfg: FasyncConfig) -> FasyncConfig:
@@ -171,12 +185,7 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
     offload = cfg.colocate_offload
     if offload not in (True, False, "auto"):
         raise ConfigError(f"`colocate_offload` is {offload!r}; it must be true, false or auto.")
-    if offload is True and cfg.boundary_mode == "inflight" and not fa.enable:
-        raise ConfigError(
-            "`colocate_offload` is true while `rollout.weight_update_mode` is inflight; offloading hands the engines' "
-            "KV cache to the trainer, which the requests frozen through training still hold: set colocate_offload: "
-            "false, or weight_update_mode: abort."
-        )
+    check_frozen_tail_offload(cfg, offload is True)
     if offload is True and (fa.enable or not cfg.colocate):
         on = "`fully_async.enable` is true" if fa.enable else "`colocate` is false"
         raise ConfigError(

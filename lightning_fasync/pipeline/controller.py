@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
-from lightning_fasync.config import FasyncConfig
+from lightning_fasync.config import FasyncConfig, check_frozen_tail_offload
 from lightning_fasync.components import load_object
 from lightning_fasync.pipeline.collector import Collector
 from lightning_fasync.pipeline.datasource import DataSource
@@ -44,16 +44,6 @@ from lightning_fasync.pipeline.producer import RolloutProducer
 from lightning_fasync.pipeline.state import GroupFilter, PipelineError, PipelineState
 from lightning_fasync.pipeline.window import make_window_strategy
 from lightning_fasync.types import TrajectoryGroup
-
-
-def check_frozen_tail_offload(cfg: FasyncConfig, offload: bool) -> None:
-    """Refuse colocate offload (resolved for the trainer's device) with a frozen tail: offloading hands
-    the engines' KV cache to the trainer, which the requests frozen through training still hold."""
-    if offload and not cfg.fully_async.enable and cfg.boundary_mode == "inflight":
-        raise PipelineError(
-            "`rollout.weight_update_mode` is inflight while colocate offload is on (`colocate_offload` auto on "
-            "a CUDA trainer); offloading hands the engines' KV cache to the trainer, which the requests frozen "
-            "through training still hold: set colocate_offload: false, or weight_update_mode: abort.")
 
 
 class StepHooks(Protocol):

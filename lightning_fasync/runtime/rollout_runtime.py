@@ -20,9 +20,9 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from lightning_fasync.components import instantiate, load_object
-from lightning_fasync.config import ConfigError, DataSourceConfig, FasyncConfig
+from lightning_fasync.config import ConfigError, DataSourceConfig, FasyncConfig, check_frozen_tail_offload
 from lightning_fasync.fleet.resources import ResourcePlan, pin_trainer
-from lightning_fasync.pipeline.controller import FullyAsyncController, check_frozen_tail_offload
+from lightning_fasync.pipeline.controller import FullyAsyncController
 from lightning_fasync.pipeline.datasource import DataSource, ListDataSource
 from lightning_fasync.pipeline.engine_client import EngineClient, SamplingParams
 from lightning_fasync.pipeline.evaluator import EvalSource, Evaluator

@@ -349,7 +349,7 @@ def test_colocate_offload_with_the_frozen_tail_is_refused_before_any_engine_star
     memory through training, so the runtime refuses before it starts an engine, as the controller
     does (the simulator's and a custom driver's way in)."""
     from lightning_fasync.fleet.resources import plan_cpu_resources
-    from lightning_fasync.pipeline.state import PipelineError
+    from lightning_fasync.config import ConfigError
     from lightning_fasync.runtime.rollout_runtime import RolloutRuntime
 
     cfg = make_cfg(**{"colocate": True, "fully_async.enable": False, "rollout.weight_update_mode": "inflight",
@@ -360,11 +360,12 @@ def test_colocate_offload_with_the_frozen_tail_is_refused_before_any_engine_star
         raise AssertionError(f"an engine backend ({name}) was reached before the refusal")
 
     monkeypatch.setattr(rr.ENGINE_BACKENDS, "get", no_engines)
-    with pytest.raises(PipelineError, match="`rollout.weight_update_mode` is inflight while colocate offload is on"):
+    with pytest.raises(ConfigError, match="`colocate_offload` is auto, on for a CUDA trainer, while "
+                                          "`rollout.weight_update_mode` is inflight"):
         RolloutRuntime(cfg, "tiny", plan_cpu_resources(1), log_dir=str(tmp_path), pin=False, colocate_offload=True)
     ds = ListDataSource([([1, 2, 3], {})], seed=1)
     engine = PausableEngine()
     flow = SingleTurnFlow(engine, SamplingParams(), 16, reward_fn=lambda s, t: 1.0)
-    with pytest.raises(PipelineError, match="set colocate_offload: false, or weight_update_mode: abort"):
+    with pytest.raises(ConfigError, match="set colocate_offload: false, or weight_update_mode: abort"):
         FullyAsyncController(cfg, ds, flow, engine, colocate_offload=True)
     FullyAsyncController(cfg, ds, flow, engine, colocate_offload=False).shutdown()
