@@ -9,7 +9,7 @@ import torch
 
 from lightning_fasync.policy import build_policy
 from lightning_fasync.engine.engine import Engine
-from lightning_fasync.engine.model_runner import ModelRunner
+from lightning_fasync.engine.model_runner import ModelRunner, prefill_chunks
 from lightning_fasync.engine.sampling import sample
 
 
@@ -83,6 +83,20 @@ def test_prefill_logits_and_gathered_slots_match_hf(policy):
     out = runner.decode([slots[r] for r in order], [nxt[r] for r in order], [len(prompts[r]) for r in order])
     for i, r in enumerate(order):
         assert torch.allclose(out[i], hf_last_logits(model, prompts[r] + [nxt[r]]), atol=1e-4)
+
+
+def test_a_prefill_batch_runs_sorted_in_forwards_that_pay_for_their_padding():
+    """A forward pads its rows to its longest prompt: a long resumed prompt among short ones runs in a
+    forward of its own, prompts of one length share one, and each forward stays within its budget."""
+    lengths = [30, 400, 31, 29, 30, 5, 400]
+    chunks = prefill_chunks(lengths, forward_tokens=64, max_tokens=8192)
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    assert [[lengths[i] for i in c] for c in chunks] == [[5, 29, 30, 30, 31], [400, 400]]
+    # Padding the 5 to 31 (26 tokens) is cheaper than a forward; padding four prompts to 400 is not.
+    assert prefill_chunks([10] * 64, forward_tokens=64) == [list(range(64))]
+    capped = prefill_chunks([100] * 10, forward_tokens=64, max_tokens=300)
+    assert len(capped) == 4 and max(len(c) for c in capped) == 3  # the fewest forwards of 300 tokens
+    assert prefill_chunks([900], max_tokens=100) == [[0]]  # alone, whatever the budget
 
 
 def _tiny_qwen3(dtype: torch.dtype):
