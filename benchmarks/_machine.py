@@ -32,14 +32,43 @@ def git_state() -> tuple[str, bool]:
     return commit, dirty
 
 
+def speed_probe(rounds: int = 5) -> float:
+    """Seconds a fixed one-thread loop of small torch ops takes (the median of ``rounds``): the kind
+    of work a tiny policy's forward is, mostly per-op overhead. Machines of one kind (a VM's host
+    shared with others) differ by tens of percent between days, which their CPU model does not show;
+    this says how fast this one ran when the figures beside it were taken."""
+    import statistics
+    import time
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, w = torch.randn(64, 96, generator=gen), torch.randn(256, 96, generator=gen)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(300):
+                h = torch.nn.functional.silu(x @ w.t())
+                x = (x + h[:, :96] * 1e-3).contiguous()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def record() -> dict[str, Any]:
-    """nproc, CPU model, load average now, date and git commit (with -dirty for a modified tree)."""
+    """nproc, CPU model, load average now, :func:`speed_probe`, date and git commit (with -dirty for a
+    modified tree)."""
     full, dirty = git_state()
     return {
         "date": datetime.now().astimezone().isoformat(timespec="seconds"),
         "nproc": os.cpu_count() or 1,
         "cpu_model": cpu_model() or "?",
         "load_before": os.getloadavg(),
+        "speed_probe_s": round(speed_probe(), 4),
         "commit": (full[:7] or "?") + ("-dirty" if dirty else ""),
     }
 
@@ -66,6 +95,8 @@ def header(title: str, info: dict[str, Any], wall_s: float, warning: Optional[st
         f"- date: {info['date']}",
         f"- machine: {info['nproc']} cores, {info['cpu_model']}",
         f"- load average (1 / 5 / 15 min): before {la(info['load_before'])}, after {la(info['load_after'])}",
+        *([f"- speed probe (one thread, a fixed loop of small torch ops; lower is faster): "
+           f"{info['speed_probe_s'] * 1000:.1f} ms"] if "speed_probe_s" in info else []),
         f"- git commit: {info['commit']}",
         f"- total wall time: {'?' if wall_s != wall_s else f'{wall_s:.0f} s'}",
     ]

@@ -1,11 +1,13 @@
 """How well ``lightning-fasync plan`` predicts the live tables (benchmarks/speedup.py).
 
 For each workload, ``plan`` profiles the config (its two short runs and the engine curves) and
-predicts every mode's steady-state speedup over colocate; the live speedups are read from the
+predicts every mode's steady-state speedup over colocate (the median over its seeds, their range in
+brackets); the live speedups are read from the
 committed ``speedup.csv`` of the same workload (run ``benchmarks/speedup.py`` first, on the same
 kind of machine). Each workload is predicted twice: with the profile's own response lengths (what a
 user gets from a first look) and with the lengths of a whole colocate run of the config
-(``--lengths_from`` its ledger: a learning policy's lengths change after the profile's first steps).
+(``--lengths_from`` its ledger: a learning policy's lengths change after the profile's first steps),
+from the same profile (``--profile_from``), so the two differ by the lengths alone.
 
     python benchmarks/plan_accuracy.py          # the three workloads, ~15 minutes on 2 cores
 
@@ -68,10 +70,13 @@ def full_run_ledger(config: str, extra: list[str], tmp: str) -> str:
     return ledger
 
 
-def run_plan(config: str, extra: list[str], out: str, lengths: Optional[str], plan_args: list[str]) -> dict[str, Any]:
+def run_plan(config: str, extra: list[str], out: str, lengths: Optional[str], plan_args: list[str],
+             profile_from: Optional[str] = None) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "plan", "--config", config, "--out", out, *plan_args, *extra]
     if lengths:
         cmd += ["--lengths_from", lengths]
+    if profile_from:
+        cmd += ["--profile_from", profile_from]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     with open(os.path.join(out, "plan.json")) as fh:
         return json.load(fh)
@@ -107,7 +112,8 @@ def table(name: str, live: dict[str, dict[str, tuple[float, float, float]]], pla
             if row is None:
                 cells += ["-"] * (1 + len(bases))
                 continue
-            cells.append(f"{row['speedup_excl0']:.2f}x")
+            spread = f" ({row['speedup_excl0_min']:.2f}-{row['speedup_excl0_max']:.2f})" if row.get("seeds", 1) > 1 else ""
+            cells.append(f"{row['speedup_excl0']:.2f}x{spread}")
             for b in bases:
                 if b not in figs:
                     cells.append("-")
@@ -140,8 +146,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             live = live_speedups(live_csv)
             plans = {"profile lengths": run_plan(config, extra, os.path.join(args.out, f"{name}-profile"), None, plan_args)}
             ledger = full_run_ledger(config, extra, os.path.join(tmp, name))
+            # The same profile, other lengths: the two predictions differ by the lengths alone.
             plans["a whole run's lengths"] = run_plan(config, extra, os.path.join(args.out, f"{name}-full"), ledger,
-                                                      plan_args)
+                                                      plan_args, os.path.join(args.out, f"{name}-profile", "plan.json"))
             hide_tmp(os.path.join(args.out, f"{name}-full"), tmp)
             sections.append(table(f"{name} ({config}; live: {live_csv})", live, plans))
             print(sections[-1], flush=True)

@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 from lightning_fasync.config import ConfigError, FasyncConfig, validate, with_overrides
 from lightning_fasync.simulate import ReplicaModel, SimConfig, Simulation, summarize
 
-__all__ = ["EngineCurve", "TrainerFit", "RunProfile", "Profile", "MODES", "fit_curve", "fit_trainer", "predict", "main"]
+__all__ = ["EngineCurve", "TrainerFit", "RunProfile", "Profile", "MODES", "fit_curve", "fit_trainer", "load_profile", "predict", "main"]
 
 _ABORT = {"rollout.partial": True, "rollout.weight_update_mode": "abort"}
 MODES: list[tuple[str, dict[str, Any]]] = [
@@ -304,6 +304,20 @@ def profile(args: Sequence[str], cfg: FasyncConfig, ns: Any, steps: int) -> Prof
     return Profile(len(cores), col, fa, engine, fa_threads, max_running, replicas)
 
 
+def load_profile(path: str) -> Profile:
+    """The profile an earlier plan wrote (its ``plan.json``), to predict again without profiling:
+    with other response lengths (``--lengths_from``), seeds or steps."""
+    try:
+        with open(path) as fh:
+            raw = json.load(fh)["profile"]
+        runs = {k: RunProfile(**{**raw[k], "trainer": TrainerFit(**raw[k]["trainer"])}) for k in ("colocate", "fully_async")}
+        engine = {int(t): EngineCurve(**c) for t, c in raw["engine"].items()}
+        return Profile(**{**raw, **runs, "engine": engine})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"`--profile_from` is {path!r}, which is not a plan.json with a profile ({exc!r}); it takes "
+                          "the plan.json of an earlier plan of a fit config (`--out`).") from None
+
+
 # ------------------------------------------------------------------------------------------ predict
 
 
@@ -355,12 +369,19 @@ def read_lengths(paths: Sequence[str]) -> list[list[int]]:
 
 def predict(cfg: FasyncConfig, prof: Optional[Profile], sim: Optional[SimConfig] = None, steps: int = 100,
             seed: int = 0, modes: Sequence[tuple[str, dict[str, Any]]] = MODES,
-            lengths: Optional[list[list[int]]] = None, oversample: Optional[int] = None) -> list[dict[str, Any]]:
+            lengths: Optional[list[list[int]]] = None, oversample: Optional[int] = None,
+            seeds: int = 1) -> list[dict[str, Any]]:
     """Each mode's simulated run: ``avg_step_excl0`` and ``speedup_excl0`` over the first mode's,
     with the mode's own calibration (``prof``) or the config's ``simulate:`` section (``sim``).
     ``lengths``: the groups' response lengths to draw from (default: the profile's); ``oversample``:
-    the groups ``colocate + partial`` over-dispatches (default B // 4)."""
-    rows = []
+    the groups ``colocate + partial`` over-dispatches (default B // 4).
+
+    ``seeds`` runs of each mode (seeds ``seed .. seed + seeds - 1``: the prompt order and the
+    lengths drawn), as the live tables take rounds: a row's step times are the median over them,
+    its speedups the median (and ``speedup_excl0_min``/``_max`` the range) of each seed's ratio to
+    the first mode's run of the same seed. A heavy-tailed length law moves one run's mean step
+    by tens of percent, so one seed is a draw, not a prediction."""
+    runs: list[list[dict[str, Any]]] = []
     for name, over in modes:
         over = dict(over)
         if name.startswith("colocate + partial"):
@@ -371,19 +392,31 @@ def predict(cfg: FasyncConfig, prof: Optional[Profile], sim: Optional[SimConfig]
         if over.get("rollout.partial") is False:  # nothing spans versions to mask
             over["rollout.mask_offpolicy_in_partial_rollout"] = False
         mode_cfg = validate(with_overrides(cfg, over))
-        if prof is not None:
-            mode_cfg, mode_sim = _cpu_sim(mode_cfg, prof, over.get("colocate", False), steps, seed)
-            groups = lengths if lengths is not None else prof.colocate.lengths + prof.fully_async.lengths
-            trace = _trace(groups, cfg.N, mode_sim.num_prompts, seed)
-        else:
-            assert sim is not None
-            mode_sim, trace = copy.deepcopy(sim), None
-            mode_sim.steps, mode_sim.seed, mode_sim.variants = steps, seed, []
-        rows.append(summarize(name, Simulation(mode_cfg, mode_sim, trace=trace).run()))
-    base = rows[0]
-    for r in rows:
-        r["speedup_excl0"] = base["avg_step_excl0"] / r["avg_step_excl0"]
-        r["speedup"] = base["avg_step"] / r["avg_step"]
+        per_seed = []
+        for k in range(max(1, seeds)):
+            run_seed = seed + k
+            if prof is not None:
+                run_cfg, mode_sim = _cpu_sim(mode_cfg, prof, over.get("colocate", False), steps, run_seed)
+                groups = lengths if lengths is not None else prof.colocate.lengths + prof.fully_async.lengths
+                trace = _trace(groups, cfg.N, mode_sim.num_prompts, run_seed)
+            else:
+                assert sim is not None
+                run_cfg, mode_sim, trace = mode_cfg, copy.deepcopy(sim), None
+                mode_sim.steps, mode_sim.seed, mode_sim.variants = steps, run_seed, []
+            per_seed.append(summarize(name, Simulation(run_cfg, mode_sim, trace=trace).run()))
+        runs.append(per_seed)
+    rows = []
+    for per_seed in runs:
+        row = dict(per_seed[0])
+        for key in ("avg_step", "avg_step_excl0", "partial_ratio", "partial_restored_count", "pipeline_buf_size"):
+            if row.get(key) is not None:
+                row[key] = statistics.median(r[key] for r in per_seed)
+        for key, base_key in (("speedup_excl0", "avg_step_excl0"), ("speedup", "avg_step")):
+            ratios = [b[base_key] / r[base_key] for r, b in zip(per_seed, runs[0])]
+            row[key] = statistics.median(ratios)
+            row[f"{key}_min"], row[f"{key}_max"] = min(ratios), max(ratios)
+        row["seeds"] = len(per_seed)
+        rows.append(row)
     return rows
 
 
@@ -412,7 +445,9 @@ def _table(rows: list[dict[str, Any]]) -> str:
              "pipeline_buf_size | partial_ratio |", "|---|---|---|---|---|---|"]
     for r in rows:
         buf = "-" if r["pipeline_buf_size"] is None else f"{r['pipeline_buf_size']:.1f}"
-        lines.append(f"| {r['config']} | {r['avg_step_excl0']:.3f} | {r['speedup_excl0']:.2f}x | {r['avg_step']:.3f} | "
+        spread = (f" ({r['speedup_excl0_min']:.2f}-{r['speedup_excl0_max']:.2f})"
+                  if r.get("seeds", 1) > 1 and "speedup_excl0_min" in r else "")
+        lines.append(f"| {r['config']} | {r['avg_step_excl0']:.3f} | {r['speedup_excl0']:.2f}x{spread} | {r['avg_step']:.3f} | "
                      f"{buf} | {r['partial_ratio']:.3f} |")
     return "\n".join(lines)
 
@@ -452,7 +487,7 @@ def recommendation(rows: list[dict[str, Any]], splits: Optional[list[dict[str, A
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``lightning-fasync plan --config X [--profile_steps N] [--steps S] [--out DIR] [fit overrides]``."""
+    """``lightning-fasync plan --config X [--profile_steps N] [--steps S] [--seeds N] [--out DIR] [fit overrides]``."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -464,10 +499,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="simulated steps per mode (default: trainer.rollout_steps "
                                                                  "or the simulate section's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=3, metavar="N",
+                        help="simulated runs per mode (seeds seed..seed+N-1), as the live tables take rounds: the "
+                             "median and range of their speedups")
     parser.add_argument("--out", default=None, help="write plan.md and plan.json here")
     parser.add_argument("--lengths_from", nargs="+", default=None, metavar="LEDGER",
                         help="draw the response lengths from these ledger.jsonl files (a whole earlier run: a learning "
                              "policy's lengths change after the profile's first steps)")
+    parser.add_argument("--profile_from", default=None, metavar="PLAN_JSON",
+                        help="take the profile of an earlier plan of this config (its plan.json) instead of profiling")
     parser.add_argument("--oversample", type=int, default=None, metavar="K",
                         help="groups the colocate + partial row over-dispatches (default B // 4)")
     args, overrides = parser.parse_known_args(list(argv) if argv is not None else None)
@@ -475,6 +515,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ConfigError(f"`--config` is {args.config!r}, which does not exist.")
     if args.profile_steps < 3:
         raise ConfigError(f"`--profile_steps` is {args.profile_steps}; the fits need at least 3 steps (step 0 is left out).")
+    if args.seeds < 1:
+        raise ConfigError(f"`--seeds` is {args.seeds}; it must be >= 1 (simulated runs per mode).")
     if args.oversample is not None and args.oversample < 0:
         raise ConfigError(f"`--oversample` is {args.oversample}; it must be >= 0 (groups colocate + partial over-dispatches).")
     t0 = time.perf_counter()
@@ -483,13 +525,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(args.config) as fh:
         has_sim = "simulate" in (yaml.safe_load(fh) or {})
     splits = None
+    if has_sim and args.profile_from:
+        raise ConfigError(f"`--profile_from` is given while {args.config} has a `simulate:` section, which is its calibration; "
+                          "give one or the other.")
     if has_sim:
         from lightning_fasync.config import load_config_file
 
         cfg, sections = load_config_file(args.config, overrides, simulate=SimConfig)
         sim = sections["simulate"]
         steps = args.steps or sim.steps
-        rows = predict(cfg, None, sim, steps=steps, seed=args.seed, oversample=args.oversample)
+        rows = predict(cfg, None, sim, steps=steps, seed=args.seed, oversample=args.oversample, seeds=args.seeds)
         splits = gpu_splits(cfg, sim, steps, args.seed)
         prof_text = f"Calibration: the `simulate:` section of {args.config} (no profile)."
         prof = None
@@ -499,13 +544,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fit = _fit_args(args.config, overrides)
         cfg, ns = parse_fit_args(fit)
         steps = args.steps or cfg.trainer.rollout_steps or 100
-        prof = profile(fit, cfg, ns, args.profile_steps + 1)
+        prof = load_profile(args.profile_from) if args.profile_from else profile(fit, cfg, ns, args.profile_steps + 1)
         lengths = read_lengths(args.lengths_from) if args.lengths_from else None
-        rows = predict(cfg, prof, steps=steps, seed=args.seed, lengths=lengths, oversample=args.oversample)
-        prof_text = _profile_text(prof) + (f"\n- simulated response lengths drawn from {len(lengths)} groups of "
+        rows = predict(cfg, prof, steps=steps, seed=args.seed, lengths=lengths, oversample=args.oversample,
+                       seeds=args.seeds)
+        prof_text = _profile_text(prof) + (f"\n- the profile of {args.profile_from}" if args.profile_from else "") + (
+            f"\n- simulated response lengths drawn from {len(lengths)} groups of "
                                            f"{', '.join(args.lengths_from)}" if lengths else "")
     text = "\n\n".join([prof_text, _table(rows), recommendation(rows, splits),
-                        f"{steps} simulated steps per mode; {time.perf_counter() - t0:.0f} s in all."])
+                        f"{steps} simulated steps per mode, {args.seeds} seed(s) (the median, and the range in brackets); "
+                        f"{time.perf_counter() - t0:.0f} s in all."])
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

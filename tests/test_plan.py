@@ -84,6 +84,47 @@ def test_a_profile_predicts_every_mode_and_lengths_of_another_run_replace_its_ow
     assert all(b["avg_step_excl0"] > 2 * a["avg_step_excl0"] for a, b in zip(rows, longer))
 
 
+def test_seeds_give_the_median_and_range_and_a_saved_profile_predicts_without_profiling(tmp_path, monkeypatch, capsys):
+    """Each mode runs once per seed (the prompt order and the lengths drawn): on heavy-tailed groups
+    the seeds' speedups differ, and the row holds their median and range. A plan.json's profile
+    predicts again (other lengths, seeds) with no profile run."""
+    import lightning_fasync.plan as plan_module
+    from lightning_fasync.config import load_config_file
+    from lightning_fasync.simulate import SimConfig
+
+    cfg, _ = load_config_file(DAPO, simulate=SimConfig)
+    prof = _profile(cfg)
+    groups = [[300 if g % 5 == 0 else 8] * cfg.N for g in range(40)]
+    modes = [m for m in MODES if m[0] in ("colocate", "fully-async, in-flight updates")]
+    rows = predict(cfg, prof, steps=6, modes=modes, lengths=groups, seeds=4)
+    assert rows[0]["speedup_excl0"] == rows[0]["speedup_excl0_min"] == rows[0]["speedup_excl0_max"] == 1.0
+    fa = rows[1]
+    assert fa["seeds"] == 4 and fa["speedup_excl0_min"] <= fa["speedup_excl0"] <= fa["speedup_excl0_max"]
+    assert fa["speedup_excl0_min"] < fa["speedup_excl0_max"]  # the seeds drew other prompts
+    seeds = [predict(cfg, prof, steps=6, modes=modes, lengths=groups, seed=k)[1]["speedup_excl0"] for k in range(4)]
+    assert fa["speedup_excl0_min"] == min(seeds) and fa["speedup_excl0_max"] == max(seeds)
+
+    saved = tmp_path / "earlier" / "plan.json"
+    saved.parent.mkdir()
+    saved.write_text(json.dumps({"profile": dataclasses.asdict(prof)}))
+    monkeypatch.setattr(plan_module, "profile", lambda *a, **k: pytest.fail("profiled again"))
+    out = tmp_path / "again"
+    fit_config = os.path.join(REPO, "configs", "tiny_cpu.yaml")
+    assert main(["--config", fit_config, "--profile_from", str(saved), "--steps", "4", "--seeds", "2",
+                 "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
+    assert plan["profile"] == json.loads(saved.read_text())["profile"]
+    assert f"the profile of {saved}" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="`--seeds` is 0; it must be >= 1"):
+        main(["--config", fit_config, "--seeds", "0"])
+    with pytest.raises(ConfigError, match="`--profile_from` is given while .* has a `simulate:` section"):
+        main(["--config", DAPO, "--profile_from", str(saved)])
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError, match="`--profile_from` is .*bad.json.*, which is not a plan.json with a profile"):
+        main(["--config", fit_config, "--profile_from", str(tmp_path / "bad.json")])
+
+
 def test_oversample_sets_how_much_colocate_plus_partial_over_dispatches():
     """On long-tailed groups, over-dispatching B groups lets a colocate step end on the fastest half
     of them: the predicted colocate + partial step is shorter than with nothing over-dispatched."""

@@ -187,11 +187,14 @@ def _spawn(cmd: list[str], name: str, env: Optional[dict[str, str]] = None,
 
 
 def spawn_watched(server: list[str], name: str, env: dict[str, str], log_path: str, url: str, label: str,
-                  cwd: Optional[str] = None) -> ServerHandle:
+                  cwd: Optional[str] = None, cpu_affinity: Optional[Sequence[int]] = None) -> ServerHandle:
     """Start a server command under :mod:`~lightning_fasync.fleet.watchdog` (stopped when this
     process dies) in a session of its own, the watchdog, the server and its workers one process
-    group, its output in ``log_path`` (kept: the run's own log directory); not waited for."""
-    cmd = [sys.executable, "-m", "lightning_fasync.fleet.watchdog", "--parent-pid", str(os.getpid()), "--", *server]
+    group, its output in ``log_path`` (kept: the run's own log directory); not waited for.
+    ``cpu_affinity``: the cores the server and its workers may run on (the watchdog sets them before
+    starting it); None: this process's, inherited."""
+    pin = ["--cpu-affinity", ",".join(str(c) for c in cpu_affinity)] if cpu_affinity else []
+    cmd = [sys.executable, "-m", "lightning_fasync.fleet.watchdog", "--parent-pid", str(os.getpid()), *pin, "--", *server]
     proc, log_path = _spawn(cmd, name, env, log_path=log_path, cwd=cwd)
     handle = ServerHandle(proc, url, log_path, label)
     handle.keep_log = True

@@ -466,6 +466,10 @@ class VLLMPool(RolloutPool):
         self.log_dir = os.path.join(log_dir or tempfile.mkdtemp(prefix="fasync-"), "vllm")
         self._model_dir: Optional[str] = None
         self._own_dir: Optional[str] = None
+        # The cores this process may run on before its trainer pins itself to its own (it does once
+        # the engines run): a server restarted after that gets these back instead of inheriting the
+        # trainer's, where its API and engine-core processes would share the trainer's core.
+        self._affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
     def _write_preset(self) -> str:
         """A preset policy written as the Hugging Face directory the servers load (the trainer builds
@@ -522,7 +526,7 @@ class VLLMPool(RolloutPool):
         # installed package's entry points (vLLM finds its plugins through them).
         return spawn_watched(self.command(port), f"vllm-{index}", self._env(index),
                              os.path.join(self.log_dir, f"replica-{index}.log"), f"http://127.0.0.1:{port}",
-                             f"vLLM server {index}@{port}", cwd=self.log_dir)
+                             f"vLLM server {index}@{port}", cwd=self.log_dir, cpu_affinity=self._affinity)
 
     def start(self) -> "VLLMPool":
         """Start every server at once and wait for each. Stops everything on failure."""

@@ -1,7 +1,7 @@
 """Run a server process under a small supervisor that stops it when the trainer dies.
 
-``python -m lightning_fasync.fleet.watchdog --parent-pid PID -- CMD ...`` starts ``CMD`` as its
-child and watches both: when ``PID`` (the trainer) is gone it stops the child (SIGTERM, then SIGKILL
+``python -m lightning_fasync.fleet.watchdog --parent-pid PID [--cpu-affinity 0,1] -- CMD ...`` starts
+``CMD`` as its child (on those cores, when given) and watches both: when ``PID`` (the trainer) is gone it stops the child (SIGTERM, then SIGKILL
 after a grace period) and then SIGKILLs whatever is left of its own process group (a server's own
 workers, e.g. SGLang's scheduler and detokenizer processes); SIGTERM/SIGINT to the supervisor are
 forwarded; if the supervisor itself is killed, the kernel sends the child SIGTERM
@@ -92,10 +92,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     split = args.index("--")
     parser = argparse.ArgumentParser(prog="lightning_fasync.fleet.watchdog")
     parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--cpu-affinity", default=None, help="comma-separated cores the command runs on (inherited "
+                                                             "by it and its workers); default: the supervisor's")
     ours = parser.parse_args(args[:split])
     if not args[split + 1:]:
         print("lightning_fasync.fleet.watchdog: no command after --", file=sys.stderr)
         return 2
+    if ours.cpu_affinity:
+        os.sched_setaffinity(0, {int(c) for c in ours.cpu_affinity.split(",")})
     return supervise(args[split + 1:], ours.parent_pid)
 
 
