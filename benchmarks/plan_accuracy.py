@@ -148,7 +148,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             ledger = full_run_ledger(config, extra, os.path.join(tmp, name))
             # The same profile, other lengths: the two predictions differ by the lengths alone.
             plans["a whole run's lengths"] = run_plan(config, extra, os.path.join(args.out, f"{name}-full"), ledger,
-                                                      plan_args, os.path.join(args.out, f"{name}-profile", "plan.json"))
+                                                      plan_args, os.path.relpath(os.path.join(args.out, f"{name}-profile",
+                                                                                              "plan.json"), REPO))
             hide_tmp(os.path.join(args.out, f"{name}-full"), tmp)
             sections.append(table(f"{name} ({config}; live: {live_csv})", live, plans))
             print(sections[-1], flush=True)

@@ -10,7 +10,9 @@ The profile is the real thing, short:
 - the engine's decode throughput against concurrency, measured on a real engine server pinned as
   each mode pins it (every core for colocate, its own cores for fully-async); the simulator
   interpolates the measured points (a CPU engine's curve is not the GPU-shaped ``T(c) = peak * c /
-  (c + half)``, which is fitted too and printed).
+  (c + half)``, which is fitted too and printed), at a short context and again at a long one: the
+  replica's throughput then follows its longest running request's context (the embedded engine
+  pads a batch's attention to its longest sequence).
 
 Each mode is then simulated (:mod:`lightning_fasync.simulate`, the live pipeline on a virtual clock)
 with the calibration of its own resource layout, response lengths drawn from the profile's groups,
@@ -20,8 +22,8 @@ spec's ``configs/sim/dapo_h20.yaml``) is planned from that section's calibration
 the recommendation also weighs other trainer : rollout GPU splits of the same cluster.
 
 What the models leave out (docs/simulator.md): the response lengths are the profile's, early in
-training, while a learning policy changes them; engine throughput does not depend on the context
-length; thread counts other than the profiled split are not measured.
+training, while a learning policy changes them; the prefill rate is measured at one prompt length;
+thread counts other than the profiled split are not measured.
 """
 
 from __future__ import annotations
@@ -75,8 +77,12 @@ of aborting it, so the engines keep their memory (no colocate offload)."""
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
 CURVE_TOKENS = 48
+CURVE_PROMPT = [1, 5, 6, 7, 8, 9]
 PREFILL_TOKENS = 256
 """Prompt tokens of each request of the prefill measurement (:func:`_engine_curve`)."""
+LONG_CONTEXT_FRACTION = 0.75
+"""The long-context curve's prompts fill this share of the context length left after its
+:data:`CURVE_TOKENS` new tokens (at most 4096 tokens)."""
 CURVE_MIN_S = 0.3
 CURVE_REPEATS = 3
 """Each point of the engine's curve (and its prefill rate) is the median of ``CURVE_REPEATS``
@@ -99,6 +105,12 @@ class EngineCurve:
     half_saturation: float
     prefill_tokens_per_s: float = 0.0
     """Prompt tokens/s the engine prefills at (0: not measured, prefill free in the simulation)."""
+    context: float = 0.0
+    """The mean context length (prompt and tokens so far) ``points`` were measured at."""
+    long_points: list[tuple[int, float]] = field(default_factory=list)
+    """(concurrent requests, decode tokens/s) with every request at a long context, ``long_context``
+    tokens on average (empty: not measured; the simulation's throughput then ignores the context)."""
+    long_context: float = 0.0
 
 
 @dataclass
@@ -220,46 +232,58 @@ def _profile_run(name: str, args: Sequence[str], mode: Sequence[str], steps: int
                       statistics.median([pause[i] for i in keep]), statistics.median(other), lengths)
 
 
-def _engine_curve(model: str, cores: list[int], max_running: int) -> EngineCurve:
+def _engine_curve(model: str, cores: list[int], max_running: int, context_length: int) -> EngineCurve:
     """Decode tokens/s of one real engine server pinned to ``cores`` (as the mode pins it), at each
-    concurrency: ``c`` requests of :data:`CURVE_TOKENS` tokens sent together, over HTTP; and its
-    prefill tokens/s: ``max_running`` requests of :data:`PREFILL_TOKENS`-token prompts and one new
-    token each (as an aborted request's prompt and tokens so far are prefilled again)."""
+    concurrency: ``c`` requests of :data:`CURVE_TOKENS` tokens sent together, over HTTP; its prefill
+    tokens/s: ``max_running`` requests of :data:`PREFILL_TOKENS`-token prompts and one new token each
+    (as an aborted request's prompt and tokens so far are prefilled again); and the decode curve
+    again with every prompt long (:data:`LONG_CONTEXT_FRACTION` of ``context_length``), its prefill
+    taken out at the measured rate: an engine that pads a batch's attention to its longest sequence
+    decodes slower while one long response runs."""
     from lightning_fasync.fleet.pool import RolloutPool
     from lightning_fasync.pipeline.engine_client import GenerateRequest, SamplingParams
 
     pool = RolloutPool(model, num_replicas=1, threads_per_replica=len(cores), max_running_requests=max_running,
-                       cpu_cores=[cores]).start()
+                       cpu_cores=[cores], context_length=context_length).start()
     points: list[tuple[int, float]] = []
+    long_points: list[tuple[int, float]] = []
+    long_len = min(4096, max(0, int(LONG_CONTEXT_FRACTION * (context_length - CURVE_TOKENS))))
 
     async def measure() -> None:
         client = pool.client(generate_timeout_s=600.0)
         try:
             params = SamplingParams(max_new_tokens=CURVE_TOKENS, temperature=1.0, ignore_eos=True)
-            prompt = [1, 5, 6, 7, 8, 9]
-            await client.generate_batch([GenerateRequest("warm", prompt, params)])
+            await client.generate_batch([GenerateRequest("warm", CURVE_PROMPT, params)])
 
-            async def rate(reqs: list[Any], tokens: Any) -> float:
-                """Median over repeats of tokens/s, each repeat sending ``reqs`` until CURVE_MIN_S passed."""
+            async def rate(reqs: list[Any], tokens: Any, overhead_s: float = 0.0) -> float:
+                """Median over repeats of tokens/s, each repeat sending ``reqs`` until CURVE_MIN_S
+                passed; ``overhead_s`` per batch (its prefill) left out of the time."""
                 rates = []
                 for _ in range(CURVE_REPEATS):
-                    done, t0 = 0, time.perf_counter()
+                    done, batches, t0 = 0, 0, time.perf_counter()
                     while True:
                         done += tokens(await client.generate_batch(reqs))
+                        batches += 1
                         dt = time.perf_counter() - t0
                         if dt >= CURVE_MIN_S:
                             break
-                    rates.append(done / dt)
+                    rates.append(done / max(dt - batches * overhead_s, 0.1 * dt))
                 return statistics.median(rates)
 
+            decoded = lambda results: sum(len(r.output_ids) for r in results)  # noqa: E731
             for c in [c for c in CONCURRENCIES if c <= max_running]:
-                reqs = [GenerateRequest(f"c{c}-{i}", prompt, params) for i in range(c)]
-                points.append((c, await rate(reqs, lambda results: sum(len(r.output_ids) for r in results))))
+                reqs = [GenerateRequest(f"c{c}-{i}", CURVE_PROMPT, params) for i in range(c)]
+                points.append((c, await rate(reqs, decoded)))
             one = SamplingParams(max_new_tokens=1, temperature=1.0, ignore_eos=True)
             n = min(max_running, 64)
             long = [[1] + [5 + (i * 7 + j) % 90 for j in range(PREFILL_TOKENS - 1)] for i in range(n)]
             reqs = [GenerateRequest(f"p-{i}", ids, one) for i, ids in enumerate(long)]
             prefill.append(await rate(reqs, lambda results: n * PREFILL_TOKENS))
+            if long_len > 2 * len(CURVE_PROMPT):
+                for c in [c for c in CONCURRENCIES if c <= max_running]:
+                    reqs = [GenerateRequest(f"l{c}-{i}", [1] + [5 + (i * 7 + j) % 90 for j in range(long_len - 1)], params)
+                            for i in range(c)]
+                    long_points.append((c, await rate(reqs, decoded, c * long_len / prefill[0])))
         finally:
             await client.close()
 
@@ -268,7 +292,10 @@ def _engine_curve(model: str, cores: list[int], max_running: int) -> EngineCurve
         asyncio.run(measure())
     finally:
         pool.stop()
-    return replace(fit_curve(points, threads=len(cores)), prefill_tokens_per_s=prefill[0])
+    half = CURVE_TOKENS / 2
+    return replace(fit_curve(points, threads=len(cores)), prefill_tokens_per_s=prefill[0],
+                   context=len(CURVE_PROMPT) + half, long_points=long_points,
+                   long_context=long_len + half if long_points else 0.0)
 
 
 def profile(args: Sequence[str], cfg: FasyncConfig, ns: Any, steps: int) -> Profile:
@@ -297,10 +324,12 @@ def profile(args: Sequence[str], cfg: FasyncConfig, ns: Any, steps: int) -> Prof
         fa = _profile_run("fully-async", args, ["--colocate=false", "--fully_async.enable=true"], steps, root, calls,
                           len(split.trainer_cores))
     print("plan: measuring the engine's throughput curve ...", file=sys.stderr, flush=True)
-    engine = {len(cores): _engine_curve(model, list(cores), max_running)}
+    # The run's context: the configured one, else the longest response and a short prompt's room.
+    context = cfg.rollout.sglang_args.context_length or cfg.rollout.max_response_length + 64
+    engine = {len(cores): _engine_curve(model, list(cores), max_running, context)}
     fa_threads = len(split.replica_cores[0])
     if fa_threads not in engine:
-        engine[fa_threads] = _engine_curve(model, list(split.replica_cores[0]), max_running)
+        engine[fa_threads] = _engine_curve(model, list(split.replica_cores[0]), max_running, context)
     return Profile(len(cores), col, fa, engine, fa_threads, max_running, replicas)
 
 
@@ -337,7 +366,10 @@ def _cpu_sim(cfg: FasyncConfig, prof: Profile, colocate: bool, steps: int, seed:
     sim = SimConfig(steps=steps, seed=seed, num_prompts=4096, total_gpus=per,
                     replica=ReplicaModel(curve.peak_tokens_per_s, curve.half_saturation,
                                          measured=[[c, t] for c, t in curve.points],
-                                         prefill_tokens_per_s=curve.prefill_tokens_per_s),
+                                         prefill_tokens_per_s=curve.prefill_tokens_per_s,
+                                         measured_context=curve.context,
+                                         measured_long=[[c, t] for c, t in curve.long_points],
+                                         measured_long_context=curve.long_context),
                     train_base_s=run.trainer.base_s, train_s_per_ktoken=run.trainer.s_per_ktoken,
                     train_reference_gpus=per if colocate else 1, weight_sync_s=run.sync_s + run.other_s,
                     pause_overhead_s=run.pause_s, colocate_switch_s=0.0)
@@ -460,8 +492,10 @@ def _profile_text(prof: Profile) -> str:
     for threads, c in sorted(prof.engine.items()):
         pts = ", ".join(f"{n}: {t:.0f}" for n, t in c.points)
         prefill = f"; prefill {c.prefill_tokens_per_s:.0f} tokens/s" if c.prefill_tokens_per_s else ""
-        out.append(f"- engine on {threads} core(s): tokens/s by concurrency {{{pts}}}; fit peak {c.peak_tokens_per_s:.0f} "
-                   f"tokens/s, half-saturation {c.half_saturation:.1f}{prefill}")
+        out.append(f"- engine on {threads} core(s): tokens/s by concurrency {{{pts}}} (context ~{c.context:.0f}); fit peak "
+                   f"{c.peak_tokens_per_s:.0f} tokens/s, half-saturation {c.half_saturation:.1f}{prefill}")
+        if c.long_points:
+            out.append(f"  at context ~{c.long_context:.0f}: {{{', '.join(f'{n}: {t:.0f}' for n, t in c.long_points)}}}")
     for run in (prof.colocate, prof.fully_async):
         t = run.trainer
         out.append(f"- trainer ({run.mode}, {t.threads} thread(s)): {t.base_s:.3f} s per call + {t.s_per_ktoken:.3f} s per "

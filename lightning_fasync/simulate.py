@@ -56,19 +56,43 @@ class ReplicaModel:
     hold the whole replica ``L / prefill_tokens_per_s`` seconds. 0 (the default): prefill is free,
     the model of an engine that prefills far faster than it decodes."""
 
-    def throughput(self, c: int) -> float:
-        """Aggregate decode tokens/s with ``c`` requests running."""
+    measured_context: float = 0.0
+    """The context length (tokens in the cache: prompt and response so far) ``measured`` was taken
+    at, on average."""
+    measured_long: list[list[float]] = field(default_factory=list)
+    """The same points measured with every request at a long context, ``measured_long_context``
+    tokens on average. When given, a replica's throughput depends on the longest context it runs:
+    an engine that pads its batch's attention to its longest sequence (the embedded one) decodes
+    every request of a batch holding one long response at that length's cost. The time per token is
+    linear in that length between (and past) the two measurements. Empty: no dependence."""
+    measured_long_context: float = 0.0
+
+    def throughput(self, c: int, context: Optional[float] = None) -> float:
+        """Aggregate decode tokens/s with ``c`` requests running, the longest at ``context`` tokens
+        (used only with :attr:`measured_long`)."""
         if c <= 0:
             return 0.0
-        pts = sorted((float(a), float(b)) for a, b in self.measured)
-        if not pts:
+        if not self.measured:
             return self.peak_tokens_per_s * c / (c + self.half_saturation)
-        if c <= pts[0][0]:
-            return pts[0][1] * c / pts[0][0]
-        for (c0, t0), (c1, t1) in zip(pts, pts[1:]):
-            if c <= c1:
-                return t0 + (t1 - t0) * (c - c0) / (c1 - c0)
-        return pts[-1][1]
+        short = _interpolate(self.measured, c)
+        if not self.measured_long or context is None or context <= self.measured_context:
+            return short
+        long = _interpolate(self.measured_long, c)
+        span = max(self.measured_long_context - self.measured_context, 1.0)
+        per_token = 1.0 / short + (1.0 / long - 1.0 / short) * (context - self.measured_context) / span
+        return 1.0 / per_token if per_token > 0 else short
+
+
+def _interpolate(measured: list[list[float]], c: int) -> float:
+    """Piecewise-linear through ``[concurrency, tokens/s]`` points: flat past the last point,
+    ``T(first) * c / first`` below the first."""
+    pts = sorted((float(a), float(b)) for a, b in measured)
+    if c <= pts[0][0]:
+        return pts[0][1] * c / pts[0][0]
+    for (c0, t0), (c1, t1) in zip(pts, pts[1:]):
+        if c <= c1:
+            return t0 + (t1 - t0) * (c - c0) / (c1 - c0)
+    return pts[-1][1]
 
 
 @dataclass
@@ -157,6 +181,10 @@ class _Replica:
     (:attr:`ReplicaModel.prefill_tokens_per_s`) stops every request's decoding for its time:
     ``debt`` seconds the replica owes before the axis moves again."""
 
+    CONTEXT_STEP = 16.0
+    """With a context-dependent throughput (:attr:`ReplicaModel.measured_long`), the rate is taken
+    again after at most this many tokens of progress: the longest context grows as it decodes."""
+
     def __init__(self, model: ReplicaModel, max_running: Optional[int]) -> None:
         self.model = model
         self.max_running = max_running or 1 << 30
@@ -166,10 +194,21 @@ class _Replica:
         self.waiting: list[_Request] = []
         self.debt = 0.0
         self._tie = 0
+        # The longest running request's context is progress + _offset (each request's context is its
+        # input plus progress since its admission).
+        self._offset = -math.inf
+
+    def context(self) -> float:
+        """Tokens in the cache of the longest running request."""
+        return self.progress + self._offset if self.num_running else 0.0
 
     def rate(self) -> float:
         c = self.num_running
-        return self.model.throughput(c) / c if c else 0.0
+        return self.model.throughput(c, self.context()) / c if c else 0.0
+
+    def _track(self) -> None:
+        self._offset = max((len(r.sample.input_ids) + r.base_len - r.start_progress
+                            for _, _, r in self.running if not r.dead), default=-math.inf)
 
     def advance(self, dt: float) -> None:
         paid = min(dt, self.debt)
@@ -188,13 +227,17 @@ class _Replica:
         self._tie += 1
         heapq.heappush(self.running, (req.key, self._tie, req))
         self.num_running += 1
+        self._offset = max(self._offset, len(req.sample.input_ids) + req.base_len - req.start_progress)
 
     def next_finish_dt(self) -> float:
         while self.running and self.running[0][2].dead:
             heapq.heappop(self.running)
         if not self.running:
             return math.inf
-        return self.debt + max(self.running[0][0] - self.progress, 0.0) / self.rate()
+        tokens = max(self.running[0][0] - self.progress, 0.0)
+        if self.model.measured_long:
+            tokens = min(tokens, self.CONTEXT_STEP)  # the rate changes as the longest context grows
+        return self.debt + tokens / self.rate()
 
     def pop_finished(self) -> list[_Request]:
         done = []
@@ -204,6 +247,8 @@ class _Replica:
                 continue
             self.num_running -= 1
             done.append(req)
+        if done:
+            self._track()
         while self.waiting and self.num_running < self.max_running:
             self.admit(self.waiting.pop(0))
         return done
@@ -217,6 +262,7 @@ class _Replica:
         for req in self.waiting:
             out.append((req, 0))
         self.running, self.waiting, self.num_running, self.debt = [], [], 0, 0.0  # no prefill left to owe
+        self._offset = -math.inf
         return out
 
 

@@ -38,6 +38,46 @@ def test_the_simulator_interpolates_a_measured_curve():
     assert ReplicaModel(peak_tokens_per_s=100.0, half_saturation=1.0).throughput(1) == 50.0
 
 
+def test_the_throughput_follows_the_longest_context_between_and_past_the_two_curves():
+    from lightning_fasync.simulate import ReplicaModel
+
+    model = ReplicaModel(measured=[[1, 100.0], [64, 6400.0]], measured_context=30.0,
+                         measured_long=[[1, 50.0], [64, 1600.0]], measured_long_context=330.0)
+    assert model.throughput(64) == model.throughput(64, 20.0) == 6400.0  # no context, or a short one
+    assert model.throughput(64, 330.0) == pytest.approx(1600.0)
+    # The time per token is linear in the context: halfway, the mean of 1/6400 and 1/1600.
+    assert model.throughput(64, 180.0) == pytest.approx(1 / ((1 / 6400 + 1 / 1600) / 2))
+    assert model.throughput(64, 630.0) == pytest.approx(1 / (2 / 1600 - 1 / 6400))  # past the long curve
+    assert model.throughput(1, 330.0) == pytest.approx(50.0)
+    flat = ReplicaModel(measured=[[1, 100.0], [64, 6400.0]])
+    assert flat.throughput(64, 5000.0) == 6400.0  # not measured: no dependence
+
+
+def test_a_long_response_slows_its_whole_batch_when_the_curve_says_so():
+    """Groups of short responses, every fourth with one long response: with a long-context curve
+    four times slower, the long response's batch mates decode at its context's cost and every mode's
+    step is longer; with the long curve equal to the short one, nothing changes."""
+    from lightning_fasync.config import load_config_file
+    from lightning_fasync.simulate import SimConfig
+
+    cfg, _ = load_config_file(DAPO, simulate=SimConfig)
+    prof = _profile(cfg)
+    groups = [[300 if g % 4 == 0 and i == 0 else 20 for i in range(cfg.N)] for g in range(48)]
+    modes = [m for m in MODES if m[0] in ("colocate", "fully-async, in-flight updates")]
+
+    def with_long(factor):
+        engine = {k: dataclasses.replace(c, context=30.0, long_context=330.0,
+                                         long_points=[(n, t / factor) for n, t in c.points])
+                  for k, c in prof.engine.items()}
+        return predict(cfg, dataclasses.replace(prof, engine=engine), steps=6, modes=modes, lengths=groups)
+
+    plain = predict(cfg, prof, steps=6, modes=modes, lengths=groups)
+    same, slow = with_long(1.0), with_long(4.0)
+    for a, b in zip(plain, same):
+        assert b["avg_step_excl0"] == pytest.approx(a["avg_step_excl0"], rel=1e-6)
+    assert all(s["avg_step_excl0"] > 1.2 * p["avg_step_excl0"] for p, s in zip(plain, slow))
+
+
 def test_the_trainer_fit_recovers_its_coefficients_and_stays_non_negative():
     calls, base, k = 4, 0.02, 0.5
     samples = [(t, calls * base + k * t / 1000) for t in (900, 1500, 2600, 4000, 700)]
@@ -245,6 +285,10 @@ def test_a_short_profile_of_the_main_job_predicts_every_mode(tmp_path):
     assert prof["fully_async"]["trainer"]["s_per_ktoken"] > 0
     assert all(curve["peak_tokens_per_s"] > 0 and len(curve["points"]) >= 3 for curve in prof["engine"].values())
     assert all(curve["prefill_tokens_per_s"] > 0 for curve in prof["engine"].values())
+    # The curve again at a long context (3/4 of the main job's 65 + 64 tokens, less the 48 decoded).
+    assert all(len(curve["long_points"]) == len(curve["points"]) and curve["long_context"] > curve["context"] > 0
+               and all(t > 0 for _, t in curve["long_points"]) for curve in prof["engine"].values())
+    assert "at context ~" in proc.stdout
     assert "prefill" in proc.stdout
     assert sum(len(g) for g in prof["colocate"]["lengths"]) == 4 * 16 * 8  # every consumed group of its 4 steps
     assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
