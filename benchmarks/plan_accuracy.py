@@ -35,6 +35,8 @@ sys.path.insert(0, HERE)
 
 from _machine import check_load, header, record  # noqa: E402
 
+from lightning_fasync.plan import speedup_cell  # noqa: E402
+
 # name: (config, live table, fit overrides of its live runs, plan's own options: the live table's
 # colocate + partial over-dispatch).
 WORKLOADS = {
@@ -112,8 +114,7 @@ def table(name: str, live: dict[str, dict[str, tuple[float, float, float]]], pla
             if row is None:
                 cells += ["-"] * (1 + len(bases))
                 continue
-            spread = f" ({row['speedup_excl0_min']:.2f}-{row['speedup_excl0_max']:.2f})" if row.get("seeds", 1) > 1 else ""
-            cells.append(f"{row['speedup_excl0']:.2f}x{spread}")
+            cells.append(speedup_cell(row))
             for b in bases:
                 if b not in figs:
                     cells.append("-")

@@ -472,14 +472,18 @@ def gpu_splits(cfg: FasyncConfig, sim: SimConfig, steps: int, seed: int) -> list
 # ------------------------------------------------------------------------------------------ output
 
 
+def speedup_cell(row: dict[str, Any]) -> str:
+    """A row's predicted steady-state speedup, with the range over its seeds when it has several."""
+    spread = f" ({row['speedup_excl0_min']:.2f}-{row['speedup_excl0_max']:.2f})" if row.get("seeds", 1) > 1 else ""
+    return f"{row['speedup_excl0']:.2f}x{spread}"
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = ["| mode | predicted avg step, excl. step 0 (s) | predicted speedup | predicted avg step, all steps (s) | "
              "pipeline_buf_size | partial_ratio |", "|---|---|---|---|---|---|"]
     for r in rows:
         buf = "-" if r["pipeline_buf_size"] is None else f"{r['pipeline_buf_size']:.1f}"
-        spread = (f" ({r['speedup_excl0_min']:.2f}-{r['speedup_excl0_max']:.2f})"
-                  if r.get("seeds", 1) > 1 and "speedup_excl0_min" in r else "")
-        lines.append(f"| {r['config']} | {r['avg_step_excl0']:.3f} | {r['speedup_excl0']:.2f}x{spread} | {r['avg_step']:.3f} | "
+        lines.append(f"| {r['config']} | {r['avg_step_excl0']:.3f} | {speedup_cell(r)} | {r['avg_step']:.3f} | "
                      f"{buf} | {r['partial_ratio']:.3f} |")
     return "\n".join(lines)
 

@@ -693,11 +693,9 @@ class ModelRunner:
         chunks = prefill_chunks([len(p) for p in prompts])
         logits = torch.cat([self._prefill_chunk([slots[i] for i in c], [prompts[i] for i in c]) for c in chunks])
         order = [i for c in chunks for i in c]
-        if order == list(range(len(prompts))):
+        if order == sorted(order):
             return logits
-        inverse = torch.empty(len(order), dtype=torch.long, device=logits.device)
-        inverse[torch.tensor(order, device=logits.device)] = torch.arange(len(order), device=logits.device)
-        return logits.index_select(0, inverse)
+        return logits.index_select(0, torch.tensor(order, device=logits.device).argsort())  # back to prompts' order
 
     def _prefill_chunk(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         b, width = len(prompts), max(len(p) for p in prompts)
