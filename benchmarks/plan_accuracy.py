@@ -40,10 +40,10 @@ from lightning_fasync.plan import speedup_cell  # noqa: E402
 # name: (config, live table, fit overrides of its live runs, plan's own options: the live table's
 # colocate + partial over-dispatch).
 WORKLOADS = {
-    "main-job": ("configs/tiny_cpu.yaml", "benchmarks/results/speedup/speedup.csv", [], []),
+    "main-job": ("configs/tiny_cpu.yaml", "benchmarks/results/speedup_main_intel/speedup.csv", [], []),
     "long-tail": ("configs/tiny_cpu_longtail.yaml", "benchmarks/results/speedup_longtail/speedup.csv",
                   ["--trainer.rollout_steps=80"], ["--oversample", "16"]),
-    "long-tail-fixed": ("configs/tiny_cpu_longtail_fixed.yaml", "benchmarks/results/speedup_longtail_fixed/speedup.csv",
+    "long-tail-fixed": ("configs/tiny_cpu_longtail_fixed.yaml", "benchmarks/results/speedup_longtail_fixed_rerun/speedup.csv",
                         ["--trainer.rollout_steps=40"], ["--oversample", "16"]),
 }
 

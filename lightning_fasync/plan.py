@@ -12,7 +12,8 @@ The profile is the real thing, short:
   interpolates the measured points (a CPU engine's curve is not the GPU-shaped ``T(c) = peak * c /
   (c + half)``, which is fitted too and printed), at a short context and again at a long one: the
   replica's throughput then follows its longest running request's context (the embedded engine
-  pads a batch's attention to its longest sequence).
+  pads a batch's attention to its longest sequence); and the server's prefill rate and fixed cost
+  per request, each measured by difference so that none carries another's cost.
 
 Each mode is then simulated (:mod:`lightning_fasync.simulate`, the live pipeline on a virtual clock)
 with the calibration of its own resource layout, response lengths drawn from the profile's groups,
@@ -22,8 +23,9 @@ spec's ``configs/sim/dapo_h20.yaml``) is planned from that section's calibration
 the recommendation also weighs other trainer : rollout GPU splits of the same cluster.
 
 What the models leave out (docs/simulator.md): the response lengths are the profile's, early in
-training, while a learning policy changes them; the prefill rate is measured at one prompt length;
-thread counts other than the profiled split are not measured.
+training, while a learning policy changes them (``--lengths_from``); thread counts other than the
+profiled split are not measured; one engine curve moves by up to a quarter between two profiles on
+a shared 2-core machine, at 64 requests most.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ MODES: list[tuple[str, dict[str, Any]]] = [
     ("fully-async, boundary waits", {"rollout.partial": False, "rollout.weight_update_mode": None,
                                      "rollout.inflight_kv": "keep"}),
     ("fully-async, in-flight updates", {"rollout.partial": True, "rollout.weight_update_mode": "inflight"}),
+    ("fully-async, in-flight updates, stale 2.0", {"rollout.partial": True, "rollout.weight_update_mode": "inflight",
+                                                   "fully_async.stale_steps": 2.0}),
 ]
 """The modes a plan predicts (``benchmarks/speedup.py`` measures the same rows live); the fully-async
 ones keep the config's other keys. Both ``colocate + partial`` rows over-dispatch B // 4 groups
@@ -78,16 +82,17 @@ of aborting it, so the engines keep their memory (no colocate offload)."""
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
 CURVE_TOKENS = 48
 CURVE_PROMPT = [1, 5, 6, 7, 8, 9]
-PREFILL_TOKENS = 256
-"""Prompt tokens of each request of the prefill measurement (:func:`_engine_curve`)."""
 LONG_CONTEXT_FRACTION = 0.75
 """The long-context curve's prompts fill this share of the context length left after its
-:data:`CURVE_TOKENS` new tokens (at most 4096 tokens)."""
+:data:`CURVE_TOKENS` new tokens (at most 4096 tokens). The prefill measurement's prompts spread
+evenly from the short prompt to that length, as a resumed request's prompt and tokens so far do."""
 CURVE_MIN_S = 0.3
+CURVE_MIN_BATCHES = 3
 CURVE_REPEATS = 3
-"""Each point of the engine's curve (and its prefill rate) is the median of ``CURVE_REPEATS``
-measurements, each batches sent back to back for at least ``CURVE_MIN_S`` seconds: one batch of 48
-tokens lasts 0.05–0.15 s on a CPU, and single batches put one engine's curve 60 % apart between runs."""
+"""Each figure of the engine's measurement is the median of ``CURVE_REPEATS`` differences, each
+batch of a difference sent back to back for at least ``CURVE_MIN_S / 2`` seconds and
+``CURVE_MIN_BATCHES`` times: one batch of 48 tokens lasts 0.05–0.15 s on a CPU, and single batches
+put one engine's curve 60 % apart between runs."""
 PROFILE_TIMEOUT_S = 1800.0
 
 
@@ -105,6 +110,9 @@ class EngineCurve:
     half_saturation: float
     prefill_tokens_per_s: float = 0.0
     """Prompt tokens/s the engine prefills at (0: not measured, prefill free in the simulation)."""
+    request_s: float = 0.0
+    """Seconds of the whole engine each request costs besides its prefill and decode (admission,
+    HTTP, result handling; 0: not measured)."""
     context: float = 0.0
     """The mean context length (prompt and tokens so far) ``points`` were measured at."""
     long_points: list[tuple[int, float]] = field(default_factory=list)
@@ -233,13 +241,21 @@ def _profile_run(name: str, args: Sequence[str], mode: Sequence[str], steps: int
 
 
 def _engine_curve(model: str, cores: list[int], max_running: int, context_length: int) -> EngineCurve:
-    """Decode tokens/s of one real engine server pinned to ``cores`` (as the mode pins it), at each
-    concurrency: ``c`` requests of :data:`CURVE_TOKENS` tokens sent together, over HTTP; its prefill
-    tokens/s: ``max_running`` requests of :data:`PREFILL_TOKENS`-token prompts and one new token each
-    (as an aborted request's prompt and tokens so far are prefilled again); and the decode curve
-    again with every prompt long (:data:`LONG_CONTEXT_FRACTION` of ``context_length``), its prefill
-    taken out at the measured rate: an engine that pads a batch's attention to its longest sequence
-    decodes slower while one long response runs."""
+    """One real engine server pinned to ``cores`` (as the mode pins it), measured over HTTP as the
+    simulator's replica splits its time: decode tokens/s at each concurrency ``c``, at a short
+    context and again at a long one (:data:`LONG_CONTEXT_FRACTION` of ``context_length``: an engine
+    that pads a batch's attention to its longest sequence decodes slower while one long response
+    runs); prefill tokens/s; and a fixed cost per request (admission, the round trip, the result).
+
+    Each is measured by difference, so that none carries another's cost: a batch of ``c`` requests
+    with ``1 + CURVE_TOKENS`` new tokens less the same batch with one new token is their decode
+    alone (short and long prompts interleaved, so a drift moves both alike); a batch of
+    ``max_running`` requests (64 at most) with prompts spread from the short one to the long
+    context's (as resumed requests' prompts and tokens so far are) less the same number of short
+    prompts is their prefill; ``max_running`` short prompts less one is the per-request cost.
+    Whole 48-token requests, timed as one figure, put the cost of a request's admission and round
+    trip (about 0.5 ms on a CPU) into the decode rate, and a long curve got by subtracting an
+    estimated prefill came out within the short one's noise, at some concurrencies above it."""
     from lightning_fasync.fleet.pool import RolloutPool
     from lightning_fasync.pipeline.engine_client import GenerateRequest, SamplingParams
 
@@ -247,53 +263,71 @@ def _engine_curve(model: str, cores: list[int], max_running: int, context_length
                        cpu_cores=[cores], context_length=context_length).start()
     points: list[tuple[int, float]] = []
     long_points: list[tuple[int, float]] = []
+    prefill: list[float] = []
+    request: list[float] = []
     long_len = min(4096, max(0, int(LONG_CONTEXT_FRACTION * (context_length - CURVE_TOKENS))))
+    prompt = lambda i, n: [1] + [5 + (i * 7 + j) % 90 for j in range(n - 1)]  # noqa: E731
 
     async def measure() -> None:
         client = pool.client(generate_timeout_s=600.0)
         try:
             params = SamplingParams(max_new_tokens=CURVE_TOKENS, temperature=1.0, ignore_eos=True)
+            one = SamplingParams(max_new_tokens=1, temperature=1.0, ignore_eos=True)
+            more = SamplingParams(max_new_tokens=1 + CURVE_TOKENS, temperature=1.0, ignore_eos=True)
             await client.generate_batch([GenerateRequest("warm", CURVE_PROMPT, params)])
 
-            async def rate(reqs: list[Any], tokens: Any, overhead_s: float = 0.0) -> float:
-                """Median over repeats of tokens/s, each repeat sending ``reqs`` until CURVE_MIN_S
-                passed; ``overhead_s`` per batch (its prefill) left out of the time."""
-                rates = []
-                for _ in range(CURVE_REPEATS):
-                    done, batches, t0 = 0, 0, time.perf_counter()
-                    while True:
-                        done += tokens(await client.generate_batch(reqs))
-                        batches += 1
-                        dt = time.perf_counter() - t0
-                        if dt >= CURVE_MIN_S:
-                            break
-                    rates.append(done / max(dt - batches * overhead_s, 0.1 * dt))
-                return statistics.median(rates)
+            async def batch_s(reqs: list[Any], min_s: float) -> float:
+                """Seconds per batch, sending ``reqs`` back to back for ``min_s`` and CURVE_MIN_BATCHES."""
+                batches, t0 = 0, time.perf_counter()
+                while True:
+                    await client.generate_batch(reqs)
+                    batches += 1
+                    dt = time.perf_counter() - t0
+                    if dt >= min_s and batches >= CURVE_MIN_BATCHES:
+                        return dt / batches
 
-            decoded = lambda results: sum(len(r.output_ids) for r in results)  # noqa: E731
+            async def decode_rate(reqs: list[Any], c: int) -> float:
+                """Decode tokens/s of the ``c`` requests of ``reqs`` (each with one new token, then
+                each with ``1 + CURVE_TOKENS``): the second batch's time less the first's."""
+                t_one = await batch_s(reqs[:c], CURVE_MIN_S / 2)
+                t_more = await batch_s(reqs[c:], CURVE_MIN_S / 2)
+                return c * CURVE_TOKENS / max(t_more - t_one, 0.1 * t_more)
+
             for c in [c for c in CONCURRENCIES if c <= max_running]:
-                reqs = [GenerateRequest(f"c{c}-{i}", CURVE_PROMPT, params) for i in range(c)]
-                points.append((c, await rate(reqs, decoded)))
-            one = SamplingParams(max_new_tokens=1, temperature=1.0, ignore_eos=True)
+                short = [GenerateRequest(f"s{c}-{i}", CURVE_PROMPT, p) for p in (one, more) for i in range(c)]
+                long = [GenerateRequest(f"l{c}-{i}", prompt(i, long_len), p) for p in (one, more) for i in range(c)]
+                rates: list[list[float]] = [[], []]
+                for _ in range(CURVE_REPEATS):  # short and long interleaved: a drift moves both alike
+                    rates[0].append(await decode_rate(short, c))
+                    if long_len > 2 * len(CURVE_PROMPT):
+                        rates[1].append(await decode_rate(long, c))
+                points.append((c, statistics.median(rates[0])))
+                if rates[1]:  # more context never decodes faster: what would is noise
+                    long_points.append((c, min(statistics.median(rates[1]), points[-1][1])))
+            # A batch of n requests with one new token each takes t0 + n * request_s + input / prefill:
+            # short prompts alone, one and n of them, and n prompts spread up to the long context.
             n = min(max_running, 64)
-            long = [[1] + [5 + (i * 7 + j) % 90 for j in range(PREFILL_TOKENS - 1)] for i in range(n)]
-            reqs = [GenerateRequest(f"p-{i}", ids, one) for i, ids in enumerate(long)]
-            prefill.append(await rate(reqs, lambda results: n * PREFILL_TOKENS))
-            if long_len > 2 * len(CURVE_PROMPT):
-                for c in [c for c in CONCURRENCIES if c <= max_running]:
-                    reqs = [GenerateRequest(f"l{c}-{i}", [1] + [5 + (i * 7 + j) % 90 for j in range(long_len - 1)], params)
-                            for i in range(c)]
-                    long_points.append((c, await rate(reqs, decoded, c * long_len / prefill[0])))
+            top = max(long_len, 4 * len(CURVE_PROMPT))
+            lens = [len(CURVE_PROMPT) + round((top - len(CURVE_PROMPT)) * (i + 0.5) / n) for i in range(n)]
+            single = [GenerateRequest("q-0", CURVE_PROMPT, one)]
+            shorts = [GenerateRequest(f"q-{i}", CURVE_PROMPT, one) for i in range(n)]
+            mixed = [GenerateRequest(f"p-{i}", prompt(i, k), one) for i, k in enumerate(lens)]
+            found: list[tuple[float, float]] = []
+            for _ in range(CURVE_REPEATS):
+                t1, tn, tm = [await batch_s(r, CURVE_MIN_S / 2) for r in (single, shorts, mixed)]
+                rate_p = (sum(lens) - n * len(CURVE_PROMPT)) / max(tm - tn, 0.1 * tm)
+                found.append((rate_p, max(0.0, (tn - t1) / max(n - 1, 1) - len(CURVE_PROMPT) / rate_p)))
+            prefill.append(statistics.median(p for p, _ in found))
+            request.append(statistics.median(q for _, q in found))
         finally:
             await client.close()
 
-    prefill: list[float] = []
     try:
         asyncio.run(measure())
     finally:
         pool.stop()
     half = CURVE_TOKENS / 2
-    return replace(fit_curve(points, threads=len(cores)), prefill_tokens_per_s=prefill[0],
+    return replace(fit_curve(points, threads=len(cores)), prefill_tokens_per_s=prefill[0], request_s=request[0],
                    context=len(CURVE_PROMPT) + half, long_points=long_points,
                    long_context=long_len + half if long_points else 0.0)
 
@@ -363,16 +397,19 @@ def _cpu_sim(cfg: FasyncConfig, prof: Profile, colocate: bool, steps: int, seed:
     if kinds:
         over[f"rollout.sglang_replicas.{kinds[0]}.num_nodes"] = 1
     cfg = validate(with_overrides(cfg, over))
+    # The colocate profile run never stops requests in flight; a colocate + partial step does, at the
+    # cost the fully-async run measured for its boundary.
+    pause = max(run.pause_s, prof.fully_async.pause_s) if colocate and cfg.rollout.partial else run.pause_s
     sim = SimConfig(steps=steps, seed=seed, num_prompts=4096, total_gpus=per,
                     replica=ReplicaModel(curve.peak_tokens_per_s, curve.half_saturation,
                                          measured=[[c, t] for c, t in curve.points],
-                                         prefill_tokens_per_s=curve.prefill_tokens_per_s,
+                                         prefill_tokens_per_s=curve.prefill_tokens_per_s, request_s=curve.request_s,
                                          measured_context=curve.context,
                                          measured_long=[[c, t] for c, t in curve.long_points],
                                          measured_long_context=curve.long_context),
                     train_base_s=run.trainer.base_s, train_s_per_ktoken=run.trainer.s_per_ktoken,
                     train_reference_gpus=per if colocate else 1, weight_sync_s=run.sync_s + run.other_s,
-                    pause_overhead_s=run.pause_s, colocate_switch_s=0.0)
+                    pause_overhead_s=pause, colocate_switch_s=0.0)
     return cfg, sim
 
 
@@ -496,6 +533,7 @@ def _profile_text(prof: Profile) -> str:
     for threads, c in sorted(prof.engine.items()):
         pts = ", ".join(f"{n}: {t:.0f}" for n, t in c.points)
         prefill = f"; prefill {c.prefill_tokens_per_s:.0f} tokens/s" if c.prefill_tokens_per_s else ""
+        prefill += f", {1000 * c.request_s:.2f} ms per request" if c.request_s else ""
         out.append(f"- engine on {threads} core(s): tokens/s by concurrency {{{pts}}} (context ~{c.context:.0f}); fit peak "
                    f"{c.peak_tokens_per_s:.0f} tokens/s, half-saturation {c.half_saturation:.1f}{prefill}")
         if c.long_points:
@@ -533,7 +571,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Profile a config briefly (or take a simulate: section's calibration), simulate every mode on it and "
                     "recommend one. Other arguments are fit overrides, applied to the profile runs too.")
     parser.add_argument("--config", required=True, help="a fit config (profiled), or one with a simulate: section")
-    parser.add_argument("--profile_steps", type=int, default=8, help="rollout steps of each profile run (step 0 excluded)")
+    parser.add_argument("--profile_steps", type=int, default=16,
+                        help="rollout steps of each profile run (step 0 excluded; the trainer's fit needs steps of "
+                             "different sizes: from 8 steps it missed a later step by up to 28 %%, from 16 by 6 %%)")
     parser.add_argument("--steps", type=int, default=None, help="simulated steps per mode (default: trainer.rollout_steps "
                                                                  "or the simulate section's)")
     parser.add_argument("--seed", type=int, default=0)

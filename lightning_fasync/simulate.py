@@ -9,8 +9,9 @@ and timers) on a virtual clock; only the engines and the trainer's compute are m
   ``T(c) = peak * c / (c + half)``, shared equally by the ``c`` running requests (processor
   sharing), with ``c`` capped at ``rollout.sglang_args.max_running_requests`` (the rest queue);
   with a prefill rate, each request first prefills its input (a resumed one its tokens so far too),
-  and no request on that replica decodes meanwhile; a colocate step whose tail is frozen
-  (``rollout.weight_update_mode: inflight``) holds every replica still through training and the sync;
+  and no request on that replica decodes meanwhile, nor for a fixed time per request admitted
+  (``request_s``); a colocate step whose tail is frozen (``rollout.weight_update_mode: inflight``)
+  holds every replica still through training and the sync;
 - response lengths are long-tailed (log-normal, truncated at ``rollout.max_response_length``) or
   replayed from a trace (``--trace``: JSONL lines ``{"prompt": index, "lengths": [N ints]}``);
 - a training call takes ``train_base_s + tokens * train_s_per_ktoken / 1000`` seconds on the
@@ -55,6 +56,10 @@ class ReplicaModel:
     one its prompt and its tokens so far again (an aborted request's KV is gone). ``L`` input tokens
     hold the whole replica ``L / prefill_tokens_per_s`` seconds. 0 (the default): prefill is free,
     the model of an engine that prefills far faster than it decodes."""
+
+    request_s: float = 0.0
+    """Seconds each admitted request holds the whole replica besides its prefill (scheduling, the
+    HTTP round trip, handing back its result), again for a resumed request. 0 (the default): free."""
 
     measured_context: float = 0.0
     """The context length (tokens in the cache: prompt and response so far) ``measured`` was taken
@@ -223,6 +228,7 @@ class _Replica:
         if self.model.prefill_tokens_per_s > 0:
             # L input tokens hold the whole replica L / P seconds: no running request decodes meanwhile.
             self.debt += (len(req.sample.input_ids) + req.base_len) / self.model.prefill_tokens_per_s
+        self.debt += self.model.request_s
         req.key = self.progress + (req.target - req.base_len)
         self._tie += 1
         heapq.heappush(self.running, (req.key, self._tie, req))

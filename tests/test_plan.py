@@ -108,6 +108,16 @@ def _profile(cfg) -> Profile:
     return Profile(2, run("colocate", 2, 0.1), run("fully-async", 1, 0.18), curves, 1, 64, 1)
 
 
+def _colocate_rows(cfg, **engine_fields) -> list[dict]:
+    """colocate and colocate + partial (over-dispatching B groups) predicted on a profile whose engine
+    curves carry ``engine_fields``, on groups where every third has one 400-token response."""
+    prof = _profile(cfg)
+    engine = {k: dataclasses.replace(c, **engine_fields) for k, c in prof.engine.items()}
+    groups = [[400 if g % 3 == 0 and i == 0 else 10 for i in range(cfg.N)] for g in range(48)]
+    modes = [m for m in MODES if m[0] in ("colocate", "colocate + partial")]
+    return predict(cfg, dataclasses.replace(prof, engine=engine), steps=8, modes=modes, lengths=groups, oversample=cfg.B)
+
+
 def test_a_profile_predicts_every_mode_and_lengths_of_another_run_replace_its_own(tmp_path):
     from lightning_fasync.config import load_config_file
     from lightning_fasync.simulate import SimConfig
@@ -194,14 +204,7 @@ def test_a_measured_prefill_rate_makes_resumed_requests_cost_what_they_prefill_a
     from lightning_fasync.simulate import SimConfig
 
     cfg, _ = load_config_file(DAPO, simulate=SimConfig)
-    prof = _profile(cfg)
-    groups = [[400 if g % 3 == 0 and i == 0 else 10 for i in range(cfg.N)] for g in range(48)]
-    modes = [m for m in MODES if m[0] in ("colocate", "colocate + partial")]
-
-    def rows(prefill):
-        engine = {k: dataclasses.replace(c, prefill_tokens_per_s=prefill) for k, c in prof.engine.items()}
-        return predict(cfg, dataclasses.replace(prof, engine=engine), steps=8, modes=modes, lengths=groups, oversample=cfg.B)
-
+    rows = lambda prefill: _colocate_rows(cfg, prefill_tokens_per_s=prefill)  # noqa: E731
     free, fast, slow = rows(0.0), rows(20000.0), rows(2000.0)
     assert free[1]["avg_step_excl0"] < fast[1]["avg_step_excl0"] < slow[1]["avg_step_excl0"]
     moved = lambda a, b, i: b[i]["avg_step_excl0"] / a[i]["avg_step_excl0"] - 1  # noqa: E731
@@ -259,6 +262,37 @@ def test_a_prefill_holds_the_whole_replica_and_an_abort_counts_only_decoded_toke
     assert replica.next_finish_dt() == pytest.approx(0.1 + 30 / 100.0)
 
 
+def test_each_admitted_request_costs_the_replica_its_fixed_time_again_when_resumed():
+    """request_s (the engine's admission, round trip and result, which plan measures): every
+    admission holds the whole replica that long besides its prefill, a resumed request's too, so
+    colocate + partial, which dispatches more requests per consumed group, pays it more often."""
+    from lightning_fasync.config import load_config_file
+    from lightning_fasync.simulate import ReplicaModel, SimConfig, _Replica, _Request
+    from lightning_fasync.types import PromptId, PromptSample
+
+    sample = PromptSample(PromptId(0, 0), [1] * 10, {})
+    plain = _Replica(ReplicaModel(measured=[[1, 100.0], [64, 6400.0]], prefill_tokens_per_s=1000.0), 64)
+    costly = _Replica(ReplicaModel(measured=[[1, 100.0], [64, 6400.0]], prefill_tokens_per_s=1000.0, request_s=0.002), 64)
+    for r in (plain, costly):
+        for _ in range(4):
+            r.admit(_Request(traj=None, sample=sample, target=50))
+    # 4 prefills of 10 tokens, then 50 tokens at T(4) / 4 = 100 tokens/s each; plus 4 x 2 ms
+    assert plain.next_finish_dt() == pytest.approx(0.04 + 0.5)
+    assert costly.next_finish_dt() == pytest.approx(0.04 + 0.008 + 0.5)
+    costly.advance(0.3)
+    aborted = costly.abort_all()
+    for req, done in aborted:
+        costly.admit(_Request(traj=None, sample=sample, target=50, base_len=done))
+    resumed = sum(done for _, done in aborted)
+    # again 4 x 2 ms, and the prefill of the prompts and the tokens so far
+    assert costly.next_finish_dt() == pytest.approx((40 + resumed) / 1000.0 + 0.008 + (50 - aborted[0][1]) / 100.0, rel=0.05)
+
+    cfg, _ = load_config_file(DAPO, simulate=SimConfig)
+    free, costly_rows = _colocate_rows(cfg, request_s=0.0), _colocate_rows(cfg, request_s=0.01)
+    assert all(c["avg_step_excl0"] > f["avg_step_excl0"] for f, c in zip(free, costly_rows))
+    assert costly_rows[1]["speedup_excl0"] < free[1]["speedup_excl0"]
+
+
 def test_refusals_name_the_option(tmp_path):
     with pytest.raises(ConfigError, match="`--config` is 'nope.yaml', which does not exist"):
         main(["--config", "nope.yaml"])
@@ -284,12 +318,12 @@ def test_a_short_profile_of_the_main_job_predicts_every_mode(tmp_path):
     assert prof["cores"] >= 1 and prof["colocate"]["trainer"]["s_per_ktoken"] > 0
     assert prof["fully_async"]["trainer"]["s_per_ktoken"] > 0
     assert all(curve["peak_tokens_per_s"] > 0 and len(curve["points"]) >= 3 for curve in prof["engine"].values())
-    assert all(curve["prefill_tokens_per_s"] > 0 for curve in prof["engine"].values())
+    assert all(curve["prefill_tokens_per_s"] > 0 and curve["request_s"] > 0 for curve in prof["engine"].values())
     # The curve again at a long context (3/4 of the main job's 65 + 64 tokens, less the 48 decoded).
     assert all(len(curve["long_points"]) == len(curve["points"]) and curve["long_context"] > curve["context"] > 0
                and all(t > 0 for _, t in curve["long_points"]) for curve in prof["engine"].values())
     assert "at context ~" in proc.stdout
-    assert "prefill" in proc.stdout
+    assert "prefill" in proc.stdout and "ms per request" in proc.stdout
     assert sum(len(g) for g in prof["colocate"]["lengths"]) == 4 * 16 * 8  # every consumed group of its 4 steps
     assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
     assert "Recommended: " in proc.stdout and "engine on" in proc.stdout
