@@ -24,7 +24,7 @@ the recommendation also weighs other trainer : rollout GPU splits of the same cl
 
 What the models leave out (docs/simulator.md): the response lengths are the profile's, early in
 training, while a learning policy changes them (``--lengths_from``); thread counts other than the
-profiled split are not measured; one engine curve moves by up to a quarter between two profiles on
+profiled split are not measured; one engine curve moves by up to a third between two profiles on
 a shared 2-core machine, at 64 requests most.
 """
 
