@@ -295,11 +295,12 @@ def _engine_curve(model: str, cores: list[int], max_running: int, context_length
 
             for c in [c for c in CONCURRENCIES if c <= max_running]:
                 short = [GenerateRequest(f"s{c}-{i}", CURVE_PROMPT, p) for p in (one, more) for i in range(c)]
-                long = [GenerateRequest(f"l{c}-{i}", prompt(i, long_len), p) for p in (one, more) for i in range(c)]
+                long = ([GenerateRequest(f"l{c}-{i}", prompt(i, long_len), p) for p in (one, more) for i in range(c)]
+                        if long_len > 2 * len(CURVE_PROMPT) else None)
                 rates: list[list[float]] = [[], []]
                 for _ in range(CURVE_REPEATS):  # short and long interleaved: a drift moves both alike
                     rates[0].append(await decode_rate(short, c))
-                    if long_len > 2 * len(CURVE_PROMPT):
+                    if long:
                         rates[1].append(await decode_rate(long, c))
                 points.append((c, statistics.median(rates[0])))
                 if rates[1]:  # more context never decodes faster: what would is noise

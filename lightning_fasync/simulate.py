@@ -72,6 +72,11 @@ class ReplicaModel:
     linear in that length between (and past) the two measurements. Empty: no dependence."""
     measured_long_context: float = 0.0
 
+    def __post_init__(self) -> None:
+        # Sorted once: throughput() interpolates them at every event of the simulation.
+        self.measured = sorted([float(a), float(b)] for a, b in self.measured)
+        self.measured_long = sorted([float(a), float(b)] for a, b in self.measured_long)
+
     def throughput(self, c: int, context: Optional[float] = None) -> float:
         """Aggregate decode tokens/s with ``c`` requests running, the longest at ``context`` tokens
         (used only with :attr:`measured_long`)."""
@@ -88,10 +93,9 @@ class ReplicaModel:
         return 1.0 / per_token if per_token > 0 else short
 
 
-def _interpolate(measured: list[list[float]], c: int) -> float:
-    """Piecewise-linear through ``[concurrency, tokens/s]`` points: flat past the last point,
-    ``T(first) * c / first`` below the first."""
-    pts = sorted((float(a), float(b)) for a, b in measured)
+def _interpolate(pts: list[list[float]], c: int) -> float:
+    """Piecewise-linear through ``[concurrency, tokens/s]`` points sorted by concurrency: flat past
+    the last point, ``T(first) * c / first`` below the first."""
     if c <= pts[0][0]:
         return pts[0][1] * c / pts[0][0]
     for (c0, t0), (c1, t1) in zip(pts, pts[1:]):
