@@ -119,6 +119,8 @@ class EngineCurve:
     """(concurrent requests, decode tokens/s) with every request at a long context, ``long_context``
     tokens on average (empty: not measured; the simulation's throughput then ignores the context)."""
     long_context: float = 0.0
+    repeats: int = 0
+    """Differences each measured figure is the median of (``plan --curve_repeats``; 0: not recorded)."""
 
 
 @dataclass
@@ -240,7 +242,8 @@ def _profile_run(name: str, args: Sequence[str], mode: Sequence[str], steps: int
                       statistics.median([pause[i] for i in keep]), statistics.median(other), lengths)
 
 
-def _engine_curve(model: str, cores: list[int], max_running: int, context_length: int) -> EngineCurve:
+def _engine_curve(model: str, cores: list[int], max_running: int, context_length: int,
+                  repeats: int = CURVE_REPEATS) -> EngineCurve:
     """One real engine server pinned to ``cores`` (as the mode pins it), measured over HTTP as the
     simulator's replica splits its time: decode tokens/s at each concurrency ``c``, at a short
     context and again at a long one (:data:`LONG_CONTEXT_FRACTION` of ``context_length``: an engine
@@ -298,7 +301,7 @@ def _engine_curve(model: str, cores: list[int], max_running: int, context_length
                 long = ([GenerateRequest(f"l{c}-{i}", prompt(i, long_len), p) for p in (one, more) for i in range(c)]
                         if long_len > 2 * len(CURVE_PROMPT) else None)
                 rates: list[list[float]] = [[], []]
-                for _ in range(CURVE_REPEATS):  # short and long interleaved: a drift moves both alike
+                for _ in range(repeats):  # short and long interleaved: a drift moves both alike
                     rates[0].append(await decode_rate(short, c))
                     if long:
                         rates[1].append(await decode_rate(long, c))
@@ -314,7 +317,7 @@ def _engine_curve(model: str, cores: list[int], max_running: int, context_length
             shorts = [GenerateRequest(f"q-{i}", CURVE_PROMPT, one) for i in range(n)]
             mixed = [GenerateRequest(f"p-{i}", prompt(i, k), one) for i, k in enumerate(lens)]
             found: list[tuple[float, float]] = []
-            for _ in range(CURVE_REPEATS):
+            for _ in range(repeats):
                 t1, tn, tm = [await batch_s(r, CURVE_MIN_S / 2) for r in (single, shorts, mixed)]
                 rate_p = (sum(lens) - n * len(CURVE_PROMPT)) / max(tm - tn, 0.1 * tm)
                 found.append((rate_p, max(0.0, (tn - t1) / max(n - 1, 1) - len(CURVE_PROMPT) / rate_p)))
@@ -330,11 +333,12 @@ def _engine_curve(model: str, cores: list[int], max_running: int, context_length
     half = CURVE_TOKENS / 2
     return replace(fit_curve(points, threads=len(cores)), prefill_tokens_per_s=prefill[0], request_s=request[0],
                    context=len(CURVE_PROMPT) + half, long_points=long_points,
-                   long_context=long_len + half if long_points else 0.0)
+                   long_context=long_len + half if long_points else 0.0, repeats=repeats)
 
 
-def profile(args: Sequence[str], cfg: FasyncConfig, ns: Any, steps: int) -> Profile:
-    """The short live runs and the engine curves (module docstring)."""
+def profile(args: Sequence[str], cfg: FasyncConfig, ns: Any, steps: int, curve_repeats: int = CURVE_REPEATS) -> Profile:
+    """The short live runs and the engine curves (module docstring), each figure of a curve the median
+    of ``curve_repeats`` differences."""
     from lightning_fasync.engine.engine import DEFAULT_MAX_RUNNING_REQUESTS
     from lightning_fasync.fleet.resources import available_cores, plan_cpu_resources
 
@@ -361,10 +365,10 @@ def profile(args: Sequence[str], cfg: FasyncConfig, ns: Any, steps: int) -> Prof
     print("plan: measuring the engine's throughput curve ...", file=sys.stderr, flush=True)
     # The run's context: the configured one, else the longest response and a short prompt's room.
     context = cfg.rollout.sglang_args.context_length or cfg.rollout.max_response_length + 64
-    engine = {len(cores): _engine_curve(model, list(cores), max_running, context)}
+    engine = {len(cores): _engine_curve(model, list(cores), max_running, context, curve_repeats)}
     fa_threads = len(split.replica_cores[0])
     if fa_threads not in engine:
-        engine[fa_threads] = _engine_curve(model, list(split.replica_cores[0]), max_running, context)
+        engine[fa_threads] = _engine_curve(model, list(split.replica_cores[0]), max_running, context, curve_repeats)
     return Profile(len(cores), col, fa, engine, fa_threads, max_running, replicas)
 
 
@@ -535,8 +539,9 @@ def _profile_text(prof: Profile) -> str:
         pts = ", ".join(f"{n}: {t:.0f}" for n, t in c.points)
         prefill = f"; prefill {c.prefill_tokens_per_s:.0f} tokens/s" if c.prefill_tokens_per_s else ""
         prefill += f", {1000 * c.request_s:.2f} ms per request" if c.request_s else ""
-        out.append(f"- engine on {threads} core(s): tokens/s by concurrency {{{pts}}} (context ~{c.context:.0f}); fit peak "
-                   f"{c.peak_tokens_per_s:.0f} tokens/s, half-saturation {c.half_saturation:.1f}{prefill}")
+        each = f", each the median of {c.repeats} difference{'s' if c.repeats > 1 else ''}" if c.repeats else ""
+        out.append(f"- engine on {threads} core(s): tokens/s by concurrency {{{pts}}} (context ~{c.context:.0f}{each}); "
+                   f"fit peak {c.peak_tokens_per_s:.0f} tokens/s, half-saturation {c.half_saturation:.1f}{prefill}")
         if c.long_points:
             out.append(f"  at context ~{c.long_context:.0f}: {{{', '.join(f'{n}: {t:.0f}' for n, t in c.long_points)}}}")
     for run in (prof.colocate, prof.fully_async):
@@ -575,6 +580,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--profile_steps", type=int, default=16,
                         help="rollout steps of each profile run (step 0 excluded; the trainer's fit needs steps of "
                              "different sizes: from 8 steps it missed a later step by up to 28 %%, from 16 by 6 %%)")
+    parser.add_argument("--curve_repeats", type=int, default=CURVE_REPEATS, metavar="N",
+                        help="each figure of the engine's measurement is the median of N differences (1 is quicker "
+                             "and noisier: at 64 requests one difference varied by a quarter between runs)")
     parser.add_argument("--steps", type=int, default=None, help="simulated steps per mode (default: trainer.rollout_steps "
                                                                  "or the simulate section's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -594,6 +602,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ConfigError(f"`--config` is {args.config!r}, which does not exist.")
     if args.profile_steps < 3:
         raise ConfigError(f"`--profile_steps` is {args.profile_steps}; the fits need at least 3 steps (step 0 is left out).")
+    if args.curve_repeats < 1:
+        raise ConfigError(f"`--curve_repeats` is {args.curve_repeats}; it must be >= 1 (differences per measured figure).")
     if args.seeds < 1:
         raise ConfigError(f"`--seeds` is {args.seeds}; it must be >= 1 (simulated runs per mode).")
     if args.oversample is not None and args.oversample < 0:
@@ -623,7 +633,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fit = _fit_args(args.config, overrides)
         cfg, ns = parse_fit_args(fit)
         steps = args.steps or cfg.trainer.rollout_steps or 100
-        prof = load_profile(args.profile_from) if args.profile_from else profile(fit, cfg, ns, args.profile_steps + 1)
+        prof = load_profile(args.profile_from) if args.profile_from else profile(fit, cfg, ns, args.profile_steps + 1,
+                                                                                      args.curve_repeats)
         lengths = read_lengths(args.lengths_from) if args.lengths_from else None
         rows = predict(cfg, prof, steps=steps, seed=args.seed, lengths=lengths, oversample=args.oversample,
                        seeds=args.seeds)

@@ -88,7 +88,7 @@ def test_the_trainer_fit_recovers_its_coefficients_and_stays_non_negative():
 
 
 def test_a_simulate_config_is_planned_from_its_section_with_gpu_splits(tmp_path, capsys):
-    assert main(["--config", DAPO, "--steps", "4", "--out", str(tmp_path)]) == 0
+    assert main(["--config", DAPO, "--steps", "4", "--seeds", "1", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
@@ -298,6 +298,8 @@ def test_refusals_name_the_option(tmp_path):
         main(["--config", "nope.yaml"])
     with pytest.raises(ConfigError, match="`--profile_steps` is 2"):
         main(["--config", DAPO, "--profile_steps", "2"])
+    with pytest.raises(ConfigError, match="`--curve_repeats` is 0; it must be >= 1"):
+        main(["--config", DAPO, "--curve_repeats", "0"])
     empty = tmp_path / "ledger.jsonl"
     empty.write_text(json.dumps({"kind": "checkpoint", "step": 0}) + "\n")
     with pytest.raises(ValueError, match="no consumed group with response_lengths"):
@@ -310,7 +312,7 @@ def test_a_short_profile_of_the_main_job_predicts_every_mode(tmp_path):
     (Its accuracy against the live tables is benchmarks/plan_accuracy.py's, not a test's.)"""
     out = tmp_path / "plan"
     proc = subprocess.run([sys.executable, "-m", "lightning_fasync.cli", "plan", "--config", "configs/tiny_cpu.yaml",
-                           "--profile_steps", "3", "--steps", "6", "--out", str(out)],
+                           "--profile_steps", "3", "--curve_repeats", "1", "--steps", "6", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     plan = json.loads((out / "plan.json").read_text())
@@ -318,11 +320,12 @@ def test_a_short_profile_of_the_main_job_predicts_every_mode(tmp_path):
     assert prof["cores"] >= 1 and prof["colocate"]["trainer"]["s_per_ktoken"] > 0
     assert prof["fully_async"]["trainer"]["s_per_ktoken"] > 0
     assert all(curve["peak_tokens_per_s"] > 0 and len(curve["points"]) >= 3 for curve in prof["engine"].values())
-    assert all(curve["prefill_tokens_per_s"] > 0 and curve["request_s"] > 0 for curve in prof["engine"].values())
+    assert all(curve["prefill_tokens_per_s"] > 0 and curve["request_s"] > 0 and curve["repeats"] == 1
+               for curve in prof["engine"].values())
     # The curve again at a long context (3/4 of the main job's 65 + 64 tokens, less the 48 decoded).
     assert all(len(curve["long_points"]) == len(curve["points"]) and curve["long_context"] > curve["context"] > 0
                and all(t > 0 for _, t in curve["long_points"]) for curve in prof["engine"].values())
-    assert "at context ~" in proc.stdout
+    assert "at context ~" in proc.stdout and "each the median of 1 difference)" in proc.stdout
     assert "prefill" in proc.stdout and "ms per request" in proc.stdout
     assert sum(len(g) for g in prof["colocate"]["lengths"]) == 4 * 16 * 8  # every consumed group of its 4 steps
     assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
