@@ -580,9 +580,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--profile_steps", type=int, default=16,
                         help="rollout steps of each profile run (step 0 excluded; the trainer's fit needs steps of "
                              "different sizes: from 8 steps it missed a later step by up to 28 %%, from 16 by 6 %%)")
-    parser.add_argument("--curve_repeats", type=int, default=CURVE_REPEATS, metavar="N",
-                        help="each figure of the engine's measurement is the median of N differences (1 is quicker "
-                             "and noisier: at 64 requests one difference varied by a quarter between runs)")
+    parser.add_argument("--curve_repeats", type=int, default=None, metavar="N",
+                        help=f"each figure of the engine's measurement is the median of N differences (default "
+                             f"{CURVE_REPEATS}; 1 is quicker and noisier: at 64 requests one difference varied by a "
+                             f"quarter between runs)")
     parser.add_argument("--steps", type=int, default=None, help="simulated steps per mode (default: trainer.rollout_steps "
                                                                  "or the simulate section's)")
     parser.add_argument("--seed", type=int, default=0)
@@ -602,7 +603,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ConfigError(f"`--config` is {args.config!r}, which does not exist.")
     if args.profile_steps < 3:
         raise ConfigError(f"`--profile_steps` is {args.profile_steps}; the fits need at least 3 steps (step 0 is left out).")
-    if args.curve_repeats < 1:
+    if args.curve_repeats is not None and args.curve_repeats < 1:
         raise ConfigError(f"`--curve_repeats` is {args.curve_repeats}; it must be >= 1 (differences per measured figure).")
     if args.seeds < 1:
         raise ConfigError(f"`--seeds` is {args.seeds}; it must be >= 1 (simulated runs per mode).")
@@ -614,6 +615,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(args.config) as fh:
         has_sim = "simulate" in (yaml.safe_load(fh) or {})
     splits = None
+    if args.curve_repeats is not None and (has_sim or args.profile_from):
+        why = "--profile_from is given" if args.profile_from else f"{args.config} has a `simulate:` section"
+        raise ConfigError(f"`--curve_repeats` is given while {why}; it sets how the engine is measured, and nothing "
+                          "is measured then.")
     if has_sim and args.profile_from:
         raise ConfigError(f"`--profile_from` is given while {args.config} has a `simulate:` section, which is its calibration; "
                           "give one or the other.")
@@ -634,7 +639,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg, ns = parse_fit_args(fit)
         steps = args.steps or cfg.trainer.rollout_steps or 100
         prof = load_profile(args.profile_from) if args.profile_from else profile(fit, cfg, ns, args.profile_steps + 1,
-                                                                                      args.curve_repeats)
+                                                                                      args.curve_repeats or CURVE_REPEATS)
         lengths = read_lengths(args.lengths_from) if args.lengths_from else None
         rows = predict(cfg, prof, steps=steps, seed=args.seed, lengths=lengths, oversample=args.oversample,
                        seeds=args.seeds)

@@ -6,7 +6,7 @@
 # pip compiles the bytecode at install (48 of the 82 s a new venv's torch and project take on a
 # 2-core machine with pip's cache warm). Not --no-compile: where PYTHONDONTWRITEBYTECODE is set, as
 # on this project's CI machines, nothing would be compiled later either, and every process would
-# compile what it imports again (the slow tests took 34 minutes instead of 19).
+# compile what it imports again (CI's slow tests took 34 minutes instead of 16).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV="${LFA_VENV:-.venv}"

@@ -300,6 +300,11 @@ def test_refusals_name_the_option(tmp_path):
         main(["--config", DAPO, "--profile_steps", "2"])
     with pytest.raises(ConfigError, match="`--curve_repeats` is 0; it must be >= 1"):
         main(["--config", DAPO, "--curve_repeats", "0"])
+    with pytest.raises(ConfigError, match="`--curve_repeats` is given while .*dapo_h20.yaml has a `simulate:` section; "
+                                          "it sets how the engine is measured"):
+        main(["--config", DAPO, "--curve_repeats", "2"])
+    with pytest.raises(ConfigError, match="`--curve_repeats` is given while --profile_from is given"):
+        main(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), "--profile_from", "x.json", "--curve_repeats", "2"])
     empty = tmp_path / "ledger.jsonl"
     empty.write_text(json.dumps({"kind": "checkpoint", "step": 0}) + "\n")
     with pytest.raises(ValueError, match="no consumed group with response_lengths"):
