@@ -242,8 +242,7 @@ def _profile_run(name: str, args: Sequence[str], mode: Sequence[str], steps: int
                       statistics.median([pause[i] for i in keep]), statistics.median(other), lengths)
 
 
-def _engine_curve(model: str, cores: list[int], max_running: int, context_length: int,
-                  repeats: int = CURVE_REPEATS) -> EngineCurve:
+def _engine_curve(model: str, cores: list[int], max_running: int, context_length: int, repeats: int) -> EngineCurve:
     """One real engine server pinned to ``cores`` (as the mode pins it), measured over HTTP as the
     simulator's replica splits its time: decode tokens/s at each concurrency ``c``, at a short
     context and again at a long one (:data:`LONG_CONTEXT_FRACTION` of ``context_length``: an engine
