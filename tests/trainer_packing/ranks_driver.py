@@ -2,8 +2,12 @@
 each whole call padded.
 
     python -m tests.trainer_packing.ranks_driver OUT_DIR fabric-ddp|fabric-fsdp2|lightning-ddp|lightning-fsdp2
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.trainer_packing.ranks_driver OUT_DIR NAME,NAME,...
 
-The launcher (Fabric's, or Lightning's DDP) re-runs this script for rank 1. Each training call's
+Run alone, the launcher (Fabric's, or Lightning's DDP) re-runs this script for rank 1. Under
+``torch.distributed.run`` (as test_ranks.py runs it) both ranks exist already, and Fabric and the
+Trainer take them from its environment: the two processes run each named driver in turn, on one
+process group, each into ``OUT_DIR/NAME``. Each training call's
 groups are shared by tokens (``dp_share(..., tokens=group_tokens)``), so the ranks get the same
 number of groups but not of tokens; with a small token budget they need different numbers of
 micro-batches, which they agree on. Both drivers' own optimisation runs (Fabric: ``backward``,
@@ -175,14 +179,24 @@ def run_lightning(out: str, name: str) -> None:
     rec.dump(out, rank, params, reference() if rank == 0 else None)
 
 
+DRIVERS = ("fabric-ddp", "fabric-fsdp2", "lightning-ddp", "lightning-fsdp2")
+
+
 def main() -> None:
-    out, name = sys.argv[1], sys.argv[2]
-    torch.manual_seed(0)
+    out, names = sys.argv[1], sys.argv[2].split(",")
+    if unknown := [n for n in names if n not in DRIVERS]:
+        sys.exit(f"ranks_driver: no driver {unknown}; they are {', '.join(DRIVERS)}")
+    if len(names) > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        sys.exit("ranks_driver: several drivers run under python -m torch.distributed.run --nproc-per-node 2")
     torch.set_num_threads(1)
-    if name.startswith("lightning-"):
-        run_lightning(out, name)
-    else:
-        run_fabric(out, name)
+    for name in names:
+        where = os.path.join(out, name) if len(names) > 1 else out
+        os.makedirs(where, exist_ok=True)
+        torch.manual_seed(0)
+        if name.startswith("lightning-"):
+            run_lightning(where, name)
+        else:
+            run_fabric(where, name)
 
 
 if __name__ == "__main__":

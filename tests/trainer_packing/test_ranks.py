@@ -27,13 +27,25 @@ def _failure(proc) -> str:
     return "\n".join(errors) + "\n--- tail ---\n" + proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def drivers_run(tmp_path_factory):
+    """The four drivers in turn in one pair of rank processes (torch.distributed.run's), each into
+    its own directory: one launch and one set of imports instead of four."""
+    from tests.trainer_packing.ranks_driver import DRIVERS
+
+    out = tmp_path_factory.mktemp("ranks")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "tests.trainer_packing.ranks_driver", str(out), ",".join(DRIVERS)],
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    return out, proc
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("driver", ["fabric-ddp", "fabric-fsdp2", "lightning-ddp", "lightning-fsdp2"])
-def test_micro_batched_ranks_give_the_single_process_update(tmp_path, driver):
-    proc = subprocess.run([sys.executable, "-m", "tests.trainer_packing.ranks_driver", str(tmp_path), driver],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+def test_micro_batched_ranks_give_the_single_process_update(drivers_run, driver):
+    out, proc = drivers_run
     assert proc.returncode == 0, _failure(proc)
-    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in (0, 1)]
+    ranks = [json.load(open(out / driver / f"rank{r}.json")) for r in (0, 1)]
     assert all(rank["sharded"] == driver.endswith("fsdp2") for rank in ranks)
     # Whole groups, the same number each, disjoint and covering every call's groups.
     for call in range(len(ranks[0]["shares"])):
