@@ -218,17 +218,19 @@ class SGLangClient(EngineClient):
         return self._session
 
     async def _request(self, method: str, url: str, body: Optional[dict] = None, timeout: Optional[float] = None,
-                       missing_ok: bool = False, timeout_key: Optional[str] = None) -> Any:
+                       missing_ok: bool = False, timeout_key: Optional[str] = None, retries: Optional[int] = None) -> Any:
         """One call with retries on connection errors; returns the parsed JSON (or text).
 
         ``missing_ok``: a 404 (an endpoint this server version lacks) returns None instead of raising.
         ``timeout_key``: a call that runs past ``timeout`` is not retried (a hung engine would hang
         every retry too) but fails at once, naming this config key.
+        ``retries``: instead of the client's own.
         """
         session = await self._http()
         client_timeout = aiohttp.ClientTimeout(total=timeout or self.admin_timeout_s, sock_connect=10)
         last: Optional[BaseException] = None
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             if attempt:
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
             try:
@@ -253,7 +255,7 @@ class SGLangClient(EngineClient):
                 last = exc
             except aiohttp.ClientConnectionError as exc:
                 last = exc
-        raise EngineUnavailable(f"{method} {url} failed after {self.retries + 1} attempts: {last!r}") from last
+        raise EngineUnavailable(f"{method} {url} failed after {retries + 1} attempts: {last!r}") from last
 
     async def _all_workers(self, method: str, path: str, body: Optional[dict] = None, missing_ok: bool = False) -> list[Any]:
         """One call per serving worker; workers that left the serving set meanwhile are left out."""
@@ -352,7 +354,12 @@ class SGLangClient(EngineClient):
 
     async def _generate(self, request: GenerateRequest, body: dict) -> Any:
         """POST ``/generate``; when supervised, wait for a serving replica first and send again after
-        the replica (or router) went away mid-request. None: ``abort_all`` ran while it waited."""
+        the replica (or router) went away mid-request. None: ``abort_all`` ran while it waited.
+
+        Supervised, a request goes only to a serving replica (or the router, which has only those)
+        and is not retried on its own: a replica taken out of service restarts on its URL and must
+        not serve before it holds the trainer's weights and is put back (``RolloutPool.restart_replica``);
+        the retry waits for the supervisor instead."""
         if not self.supervised:
             return await self._post_generate(self._generate_url(), request, body)
         epoch = self.workers.abort_epoch
@@ -361,8 +368,11 @@ class SGLangClient(EngineClient):
             if not await self.workers.wait_available(epoch):
                 return None
             serving = self.workers.urls
+            url = self._generate_url()
+            if not self.routed and url not in serving:
+                continue  # the replica left between the wait and now: wait again
             try:
-                return await self._post_generate(self._generate_url(), request, body)
+                return await self._post_generate(url, request, body, retries=0)
             except EngineError as exc:
                 if not isinstance(exc, EngineUnavailable):
                     # A router answers 500 for a request whose worker died under it; any other
@@ -388,12 +398,12 @@ class SGLangClient(EngineClient):
         live = self.worker_urls or [self.generate_url]
         return min(live, key=lambda u: self._busy.get(u, 0))
 
-    async def _post_generate(self, url: str, request: GenerateRequest, body: dict) -> Any:
+    async def _post_generate(self, url: str, request: GenerateRequest, body: dict, retries: Optional[int] = None) -> Any:
         """One generation call to ``url``, counted while it runs (:meth:`_generate_url`)."""
         self._busy[url] = self._busy.get(url, 0) + 1
         try:
             return await self._request("POST", url + self.generate_path, body, timeout=self.generate_timeout_s,
-                                       timeout_key="rollout.request_timeout")
+                                       timeout_key="rollout.request_timeout", retries=retries)
         finally:
             self._busy[url] -= 1
 

@@ -158,10 +158,10 @@ class VLLMClient(SGLangClient):
             raise EngineError(f"Request {request.rid}: /inference/v1/generate returned non-JSON: {str(data)[:300]}")
         return parse_vllm_response(request.rid, data)
 
-    async def _post_generate(self, url: str, request: GenerateRequest, body: dict) -> Any:
+    async def _post_generate(self, url: str, request: GenerateRequest, body: dict, retries: Optional[int] = None) -> Any:
         self._where[request.rid] = url
         try:
-            return await super()._post_generate(url, request, body)
+            return await super()._post_generate(url, request, body, retries)
         finally:
             self._where.pop(request.rid, None)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 
 import pytest
 import torch
@@ -60,6 +61,52 @@ def test_a_call_after_a_timed_out_one_reads_its_own_answer():
             await server.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_supervised_generate_waits_for_its_replica_to_be_put_back_not_for_its_port():
+    """A replica taken out of service restarts on its URL and answers there before it holds the
+    trainer's weights; a supervised ``/generate`` that found it gone must not reach it until the
+    supervisor puts it back (the client's own connection retries reached it 0.5 s later)."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from lightning_fasync.fleet.launch import free_port
+    from lightning_fasync.fleet.workers import WorkerSet
+
+    served: list[float] = []
+
+    async def generate(request):
+        served.append(time.monotonic())
+        return web.json_response({"text": "", "output_ids": [5], "meta_info": {
+            "id": "r", "finish_reason": {"type": "length"}, "prompt_tokens": 1, "completion_tokens": 1,
+            "output_token_logprobs": [[-0.1, 5, None]], "weight_version": "3"}})
+
+    async def main():
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        workers = WorkerSet([url], wait_timeout_s=30)
+        client = SGLangClient([url], workers=workers, retry_backoff_s=0.2)
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        restarted = TestServer(app, host="127.0.0.1", port=port)
+        try:
+            # The replica is dead (nothing listens) but not yet noticed: the request goes out and is refused.
+            task = asyncio.ensure_future(client.generate(GenerateRequest("r", [1], SamplingParams(max_new_tokens=1))))
+            await asyncio.sleep(0.1)
+            assert not task.done()
+            workers.remove(url)  # the supervisor noticed, and restarts it on its port
+            await restarted.start_server()
+            await asyncio.sleep(1.5)  # loading the trainer's weights, checking them
+            put_back = time.monotonic()
+            workers.add(url)
+            result = await asyncio.wait_for(task, 30)
+            assert result.output_ids == [5] and result.weight_versions == [3]
+            assert served and served[0] >= put_back, "the restarted replica served before it was put back"
+        finally:
+            await client.close()
+            await restarted.close()
+
+    asyncio.run(main())
 
 
 def test_parse_generate_response():
