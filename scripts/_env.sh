@@ -26,7 +26,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   # The editable build writes lightning_fasync.egg-info into the checkout, as scripts/install-vllm-cpu's
   # does, which scripts/test runs beside this: one at a time.
-  flock . "$PY" -m pip install --quiet -e ".[dev,tasks]"
+  if command -v flock >/dev/null 2>&1; then lock=(flock .); else lock=(); fi  # util-linux
+  "${lock[@]}" "$PY" -m pip install --quiet -e ".[dev,tasks]"
   echo "$want" > "$stamp"
 fi
 export PATH="$PWD/$VENV/bin:$PATH"
