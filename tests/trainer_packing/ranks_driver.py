@@ -7,13 +7,13 @@ each whole call padded.
 Run alone, the launcher (Fabric's, or Lightning's DDP) re-runs this script for rank 1. Under
 ``torch.distributed.run`` (as test_ranks.py runs it) both ranks exist already, and Fabric and the
 Trainer take them from its environment: the two processes run each named driver in turn, on one
-process group, each into ``OUT_DIR/NAME``. Each training call's
+process group. Each driver writes into ``OUT_DIR/NAME``. Each training call's
 groups are shared by tokens (``dp_share(..., tokens=group_tokens)``), so the ranks get the same
 number of groups but not of tokens; with a small token budget they need different numbers of
 micro-batches, which they agree on. Both drivers' own optimisation runs (Fabric: ``backward``,
 ``clip_gradients``, ``step``; Lightning: automatic optimisation with ``gradient_clip_val``). After
 the calls, rank 0 trains the same calls in this process alone (padded, one forward each, the whole
-call) and every rank writes what it saw to ``OUT_DIR/rank{r}.json`` for test_ranks.py.
+call) and every rank writes what it saw to ``OUT_DIR/NAME/rank{r}.json`` for test_ranks.py.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def main() -> None:
         sys.exit("ranks_driver: several drivers run under python -m torch.distributed.run --nproc-per-node 2")
     torch.set_num_threads(1)
     for name in names:
-        where = os.path.join(out, name) if len(names) > 1 else out
+        where = os.path.join(out, name)
         os.makedirs(where, exist_ok=True)
         torch.manual_seed(0)
         if name.startswith("lightning-"):
