@@ -32,24 +32,24 @@ def pytest_configure(config) -> None:
     os.sched_setaffinity(0, set(cores[index * per : (index + 1) * per]))
 
 
-# The slow pass's files by their tests' time, longest first (seconds in CI's run of 2026-12-07, each
-# file's slow tests summed; rounded). ``scripts/test`` keeps this order (--no-loadscope-reorder):
-# pytest-xdist's own puts files with the most tests first, which left the single long tests (a LoRA
+# The slow pass's files by their tests' time, longest first (seconds in a CI run of 2026-12-07 with
+# the floors installing beside it, each file's slow tests summed; rounded). ``scripts/test`` keeps
+# this order (--no-loadscope-reorder): pytest-xdist's own puts files with the most tests first, which left the single long tests (a LoRA
 # fit, 81 s) for last, with one core idle for about a minute. The rest follow in collection order;
 # a stale figure costs time, not correctness.
 LONGEST_FIRST = {
-    "tests/integration/test_engine_faults.py": 151, "tests/trainer_packing/test_ranks.py": 151,
-    "tests/agents/test_tool_agent_flow.py": 148, "tests/integration/test_gpu_all.py": 98,
-    "tests/lora/test_fit.py": 81, "tests/test_plan.py": 69, "tests/integration/test_resume.py": 66,
-    "tests/integration/test_sglang_compat.py": 65, "tests/fleet/test_backends.py": 64,
-    "tests/integration/test_megatron_fit.py": 62, "tests/integration/test_fit.py": 60,
-    "tests/integration/test_benchmarks.py": 58, "tests/weights/test_sync.py": 57,
-    "tests/runtime/test_preemption.py": 56, "tests/integration/test_examples.py": 56,
-    "tests/integration/test_sharded_fit.py": 53, "tests/integration/test_synchronous.py": 52,
+    "tests/integration/test_engine_faults.py": 203, "tests/integration/test_gpu_all.py": 180,
+    "tests/agents/test_tool_agent_flow.py": 147, "tests/integration/test_resume.py": 119, "tests/test_plan.py": 111,
+    "tests/trainer_packing/test_ranks.py": 80, "tests/lora/test_fit.py": 77, "tests/weights/test_sync.py": 74,
+    "tests/integration/test_megatron_fit.py": 67, "tests/runtime/test_preemption.py": 67,
+    "tests/integration/test_synchronous.py": 65, "tests/integration/test_benchmarks.py": 64,
+    "tests/integration/test_fit.py": 62, "tests/fleet/test_backends.py": 61,
+    "tests/integration/test_sglang_compat.py": 55, "tests/integration/test_sharded_fit.py": 54,
     "tests/fleet/test_client.py": 46, "tests/trainers/megatron/test_training.py": 43,
-    "tests/lightning/test_fabric_ranks.py": 35, "tests/integration/test_parity_smoke.py": 34,
-    "tests/integration/test_tasks_fit.py": 30, "tests/lightning/test_ddp.py": 29,
-    "tests/lora/test_benchmark.py": 27, "tests/trainers/fsdp/test_sharding.py": 26,
+    "tests/integration/test_parity_smoke.py": 37, "tests/lightning/test_fabric_ranks.py": 35,
+    "tests/trainers/fsdp/test_sharding.py": 34, "tests/integration/test_tasks_fit.py": 32,
+    "tests/trainers/megatron/test_checkpoint.py": 32, "tests/lightning/test_ddp.py": 32,
+    "tests/integration/test_examples.py": 29, "tests/lora/test_benchmark.py": 23,
 }
 
 

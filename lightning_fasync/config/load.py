@@ -5,7 +5,12 @@ whose field docstrings are the docs.
 
 from __future__ import annotations
 
+import copy
+import json
+import threading
+from collections import OrderedDict
 from dataclasses import asdict, fields, is_dataclass
+from functools import lru_cache
 from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 from lightning_fasync.config.schema import GROUPS, SCALARS, DataSourceConfig, FasyncConfig, RolloutConfig, TrainerConfig
@@ -90,15 +95,57 @@ def load_config(data: Optional[Mapping[str, Any]] = None, **sections: type) -> A
     """The public builder: a validated-for-type :class:`FasyncConfig` from a nested dict (parsed
     YAML, a user's dict); unknown keys and mistyped values are refused naming the key.
 
-    With ``sections`` (e.g. ``simulate=SimConfig``) returns ``(cfg, {name: section})``.
+    With ``sections`` (e.g. ``simulate=SimConfig``) returns ``(cfg, {name: section})``. Each call
+    returns objects of its own: a dict parsed before is answered from a copy of its result (a plan
+    builds each mode's config this way, dozens of times).
     """
-    parser = config_parser(**sections)
-    try:
-        ns = parser.parse_object(dict(data or {}))
-    except Exception as exc:  # jsonargparse's ArgumentError
-        raise ConfigError(_config_error_sentence(exc)) from None
-    cfg, extra = config_from_namespace(ns, **sections)
+    data = dict(data or {})
+    key = _memo_key(data, sections)
+    with _PARSE_LOCK:
+        parsed = _PARSED.get(key) if key is not None else None
+        if parsed is None:
+            try:
+                ns = _shared_parser(_section_key(sections)).parse_object(data)
+            except Exception as exc:  # jsonargparse's ArgumentError
+                raise ConfigError(_config_error_sentence(exc)) from None
+            parsed = config_from_namespace(ns, **sections)
+            if key is not None:
+                _PARSED[key] = parsed
+                while len(_PARSED) > _PARSED_MAX:
+                    _PARSED.popitem(last=False)
+        else:
+            _PARSED.move_to_end(key)
+        cfg, extra = copy.deepcopy(parsed)
     return (cfg, extra) if sections else cfg
+
+
+# One parser per set of extra sections, built once (building one takes about as long as a parse),
+# and the results of the last dicts parsed; parses take turns (a parser is not meant to be shared
+# by threads mid-parse).
+_PARSE_LOCK = threading.Lock()
+_PARSED: "OrderedDict[str, tuple[FasyncConfig, dict[str, Any]]]" = OrderedDict()
+_PARSED_MAX = 64
+
+
+@lru_cache(maxsize=8)
+def _shared_parser(sections: tuple[tuple[str, type], ...]) -> Any:
+    return config_parser(**dict(sections))
+
+
+def _section_key(sections: Mapping[str, type]) -> tuple[tuple[str, type], ...]:
+    return tuple(sorted(sections.items(), key=lambda kv: kv[0]))
+
+
+def _memo_key(data: Mapping[str, Any], sections: Mapping[str, type]) -> Optional[str]:
+    """The dict and the sections as one string; None where the dict holds something JSON does not
+    write as itself, or names a config file (whose contents may change between calls)."""
+    if "config" in data:
+        return None
+    try:
+        body = json.dumps(data, sort_keys=True, allow_nan=True)
+    except (TypeError, ValueError):
+        return None
+    return repr([(name, f"{cls.__module__}.{cls.__qualname__}") for name, cls in _section_key(sections)]) + body
 
 
 def load_config_file(path: str, overrides: Sequence[str] = (), **sections: type) -> tuple["FasyncConfig", dict[str, Any]]:
@@ -107,12 +154,12 @@ def load_config_file(path: str, overrides: Sequence[str] = (), **sections: type)
 
     if not os.path.exists(path):
         raise ConfigError(f"`--config` is {path!r}, which does not exist.")
-    parser = config_parser(**sections)
-    try:
-        ns = parser.parse_args(["--config", path, *overrides])
-    except Exception as exc:
-        raise ConfigError(_config_error_sentence(exc)) from None
-    return config_from_namespace(ns, **sections)
+    with _PARSE_LOCK:
+        try:
+            ns = _shared_parser(_section_key(sections)).parse_args(["--config", path, *overrides])
+        except Exception as exc:
+            raise ConfigError(_config_error_sentence(exc)) from None
+        return config_from_namespace(ns, **sections)
 
 
 def with_overrides(cfg: "FasyncConfig", overrides: Mapping[str, Any]) -> "FasyncConfig":

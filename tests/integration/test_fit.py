@@ -26,9 +26,9 @@ SPEC_METRICS = {
 }
 
 
-def run_fit(tmp_path, *extra, timeout=600):
+def run_fit(tmp_path, *extra, timeout=600, bar=False):
     cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", TINY,
-           f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false", *extra]
+           f"--trainer.default_root_dir={tmp_path}", f"--trainer.enable_progress_bar={str(bar).lower()}", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -78,7 +78,8 @@ def test_embedded_default_learns_end_to_end(tmp_path):
     """The default config, run for half its 120 rollout steps (its cosine schedule over 60), lifts
     mean reward by >= 0.1, and leaves what a run should: checkpoints on save_freq with the pipeline
     state, the spec's metrics in TensorBoard once per rollout step, a ledger with each prompt once,
-    the event log."""
+    the event log; and on the console one bar in rollout steps with each step's own metrics.
+    """
     from lightning_fasync.plots import read_scalars
 
     # Half the default run: by step 60 the curve is well clear of the untrained policy, whose 5-step
@@ -86,8 +87,9 @@ def test_embedded_default_learns_end_to_end(tmp_path):
     # five runs, so 0.1 fails without learning and not by chance. Every other check below holds at
     # any step count; save_freq 10 gives six saves, so trainer.save_keep_last = 3 deletes some.
     steps, save_freq = 60, 10
-    proc = run_fit(tmp_path, f"--trainer.rollout_steps={steps}", f"--trainer.save_freq={save_freq}", timeout=900)
+    proc = run_fit(tmp_path, f"--trainer.rollout_steps={steps}", f"--trainer.save_freq={save_freq}", timeout=900, bar=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_the_bar(proc.stdout + proc.stderr, steps, calls=steps * 16 * 8 // 32)
     (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
     rewards = [v for _, v in read_scalars(log_dir)["rollout/reward_mean"]]
     assert len(rewards) == steps
@@ -151,20 +153,15 @@ def test_embedded_default_learns_end_to_end(tmp_path):
     assert {e["event"] for e in events} == set(EVENTS)
 
 
-@pytest.mark.slow
-def test_the_run_shows_one_bar_in_rollout_steps_with_each_steps_own_metrics(tmp_path):
+def check_the_bar(out, steps, calls):
     """No model summary (its FLOPs read 0) or Lightning's LeafSpec warning before the bar; the bar
     counts rollout steps and shows, at each, that step's metrics: the callback (a ModelCheckpoint,
     which Lightning runs last) draws it after logging them, so step 1's drawing already has them."""
-    cmd = [sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", TINY,
-           f"--trainer.default_root_dir={tmp_path}", "--trainer.rollout_steps=3"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout + proc.stderr
     assert "Total params" not in out and "FLOPs" not in out and "LeafSpec" not in out
     drawn = [d.strip() for d in out.replace("\r", "\n").splitlines() if d.strip().startswith("Rollout step:")]
-    at = {n: [d for d in drawn if f"| {n}/3 [" in d] for n in (1, 2, 3)}
+    at = {n: [d for d in drawn if f"| {n}/{steps} [" in d] for n in range(1, steps + 1)}
     assert all(at.values()), drawn
-    assert all("reward=" in d and "buf=" in d for n in (1, 2, 3) for d in at[n]), drawn
-    assert len(at[1]) == 1 and len(at[2]) == 1, drawn  # drawn once per step (the last again when the bar closes)
-    assert "Trained 3 rollout steps (12 training calls)." in out
+    assert all("reward=" in d and "buf=" in d for n in at for d in at[n]), drawn
+    # Drawn once per step (the last again when the bar closes).
+    assert all(len(at[n]) == 1 for n in range(1, steps)), drawn
+    assert f"Trained {steps} rollout steps ({calls} training calls)." in out
