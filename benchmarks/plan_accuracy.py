@@ -45,6 +45,9 @@ WORKLOADS = {
                   ["--trainer.rollout_steps=80"], ["--oversample", "16"]),
     "long-tail-fixed": ("configs/tiny_cpu_longtail_fixed.yaml", "benchmarks/results/speedup_longtail_fixed_rerun/speedup.csv",
                         ["--trainer.rollout_steps=40"], ["--oversample", "16"]),
+    # The same workload's table with the aborted requests' caches kept (rollout.resume_kv: keep).
+    "long-tail-kept": ("configs/tiny_cpu_longtail_fixed.yaml", "benchmarks/results/speedup_longtail_kept/speedup.csv",
+                       ["--trainer.rollout_steps=40"], ["--oversample", "16"]),
 }
 
 

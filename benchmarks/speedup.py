@@ -89,6 +89,9 @@ MODES: list[tuple[str, list[str]]] = [
     ("colocate", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"]),
     ("colocate + partial", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
                             f"--rollout.sampler.num_oversample={B // 4}"]),
+    # Aborted as above, and resumed from the caches the aborted requests left (no prefill again).
+    ("colocate + partial, KV kept", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
+                                     "--rollout.resume_kv=keep", f"--rollout.sampler.num_oversample={B // 4}"]),
     # The long tail frozen in the engines (KV kept) through training and the sync instead of aborted.
     ("colocate + partial, tail frozen", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
                                          "--rollout.weight_update_mode=inflight", f"--rollout.sampler.num_oversample={B // 4}"]),
@@ -99,6 +102,9 @@ MODES: list[tuple[str, list[str]]] = [
                                               *ABORT]),
     ("fully-async windowed-fifo, stale 2.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=2.0",
                                               *ABORT]),
+    ("fully-async windowed-fifo, stale 2.0, KV kept", ["--fully_async.sliding_window=windowed-fifo",
+                                                       "--fully_async.stale_steps=2.0", *ABORT,
+                                                       "--rollout.resume_kv=keep"]),
     ("fully-async window-gated, stale 1.0", ["--fully_async.sliding_window=window-gated", "--fully_async.stale_steps=1.0",
                                              *ABORT]),
     ("fully-async staleness-bounded, stale 1.0", ["--fully_async.sliding_window=staleness-bounded",

@@ -55,6 +55,9 @@ MODES: list[tuple[str, dict[str, Any]]] = [
                   "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep"}),
     ("colocate + partial", {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
                             "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep"}),
+    ("colocate + partial, KV kept", {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
+                                     "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep",
+                                     "rollout.resume_kv": "keep"}),
     ("colocate + partial, tail frozen", {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
                                          "rollout.weight_update_mode": "inflight", "rollout.inflight_kv": "keep",
                                          "colocate_offload": False}),
@@ -68,6 +71,9 @@ MODES: list[tuple[str, dict[str, Any]]] = [
                                              **_ABORT}),
     ("fully-async staleness-bounded, stale 1.0", {"fully_async.sliding_window": "staleness-bounded",
                                                   "fully_async.stale_steps": 1.0, **_ABORT}),
+    ("fully-async windowed-fifo, stale 2.0, KV kept", {"fully_async.sliding_window": "windowed-fifo",
+                                                       "fully_async.stale_steps": 2.0, **_ABORT,
+                                                       "rollout.resume_kv": "keep"}),
     ("fully-async, boundary waits", {"rollout.partial": False, "rollout.weight_update_mode": None,
                                      "rollout.inflight_kv": "keep"}),
     ("fully-async, in-flight updates", {"rollout.partial": True, "rollout.weight_update_mode": "inflight"}),
@@ -75,9 +81,11 @@ MODES: list[tuple[str, dict[str, Any]]] = [
                                                    "fully_async.stale_steps": 2.0}),
 ]
 """The modes a plan predicts (``benchmarks/speedup.py`` measures the same rows live); the fully-async
-ones keep the config's other keys. Both ``colocate + partial`` rows over-dispatch B // 4 groups
-(``--oversample``); the second freezes the tail in the engines through training and the sync instead
-of aborting it, so the engines keep their memory (no colocate offload)."""
+ones keep the config's other keys. The ``colocate + partial`` rows over-dispatch B // 4 groups
+(``--oversample``); ``KV kept`` resumes the aborted requests from the caches they left
+(``rollout.resume_kv: keep``, the embedded engine's: rows for it only); ``tail frozen`` freezes the
+tail in the engines through training and the sync instead of aborting it, so the engines keep their
+memory (no colocate offload)."""
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
 CURVE_TOKENS = 48
@@ -457,6 +465,8 @@ def predict(cfg: FasyncConfig, prof: Optional[Profile], sim: Optional[SimConfig]
     runs: list[list[dict[str, Any]]] = []
     for name, over in modes:
         over = dict(over)
+        if over.get("rollout.resume_kv") == "keep" and cfg.rollout.backend != "embedded":
+            continue  # the embedded engine's (--keep-aborted-kv): no such row for another backend
         if name.startswith("colocate + partial"):
             over["rollout.sampler.num_oversample"] = cfg.B // 4 if oversample is None else oversample
         if not over.get("colocate", False):

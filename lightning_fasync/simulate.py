@@ -8,8 +8,8 @@ and timers) on a virtual clock; only the engines and the trainer's compute are m
 - rollout replicas decode with a throughput-vs-concurrency curve: aggregate tokens/s
   ``T(c) = peak * c / (c + half)``, shared equally by the ``c`` running requests (processor
   sharing), with ``c`` capped at ``rollout.sglang_args.max_running_requests`` (the rest queue);
-  with a prefill rate, each request first prefills its input (a resumed one its tokens so far too),
-  and no request on that replica decodes meanwhile, nor for a fixed time per request admitted
+  with a prefill rate, each request first prefills its input (a resumed one its tokens so far too,
+  unless ``rollout.resume_kv: keep``: then nothing), and no request on that replica decodes meanwhile, nor for a fixed time per request admitted
   (``request_s``); a colocate step whose tail is frozen (``rollout.weight_update_mode: inflight``)
   holds every replica still through training and the sync;
 - response lengths are long-tailed (log-normal, truncated at ``rollout.max_response_length``) or
@@ -194,9 +194,12 @@ class _Replica:
     """With a context-dependent throughput (:attr:`ReplicaModel.measured_long`), the rate is taken
     again after at most this many tokens of progress: the longest context grows as it decodes."""
 
-    def __init__(self, model: ReplicaModel, max_running: Optional[int]) -> None:
+    def __init__(self, model: ReplicaModel, max_running: Optional[int], keep_resumed: bool = False) -> None:
         self.model = model
         self.max_running = max_running or 1 << 30
+        self.keep_resumed = keep_resumed
+        """``rollout.resume_kv: keep``: a resumed request goes on from the cache its aborted request
+        left, with no prefill (its fixed ``request_s`` stays)."""
         self.progress = 0.0
         self.running: list[tuple[float, int, _Request]] = []
         self.num_running = 0
@@ -229,7 +232,7 @@ class _Replica:
             self.waiting.append(req)
             return
         req.start_progress = self.progress
-        if self.model.prefill_tokens_per_s > 0:
+        if self.model.prefill_tokens_per_s > 0 and not (req.base_len and self.keep_resumed):
             # L input tokens hold the whole replica L / P seconds: no running request decodes meanwhile.
             self.debt += (len(req.sample.input_ids) + req.base_len) / self.model.prefill_tokens_per_s
         self.debt += self.model.request_s
@@ -338,7 +341,8 @@ class Simulation:
         rollout_gpus = sim.total_gpus if not fa else _rollout_gpus(cfg)
         self.train_gpus = sim.total_gpus if not fa else trainer_gpus
         n_replicas = max(1, rollout_gpus // per_replica)
-        self.replicas = [_Replica(sim.replica, cfg.rollout.sglang_args.max_running_requests) for _ in range(n_replicas)]
+        self.replicas = [_Replica(sim.replica, cfg.rollout.sglang_args.max_running_requests,
+                                  keep_resumed=cfg.rollout.resume_kv == "keep") for _ in range(n_replicas)]
         prompts = [([0] * 8, {}) for _ in range(sim.num_prompts)]
         self.datasource = ListDataSource(prompts, shuffle=True, seed=sim.seed)
         self.controller = FullyAsyncController(

@@ -213,7 +213,8 @@ def test_a_measured_prefill_rate_makes_resumed_requests_cost_what_they_prefill_a
 
 def test_the_frozen_tail_pays_no_prefill_again_and_decodes_nothing_while_the_trainer_runs(monkeypatch):
     """colocate + partial with the tail frozen (weight_update_mode: inflight) against abort and
-    resume: with a slow prefill the frozen row is the faster one, restores nothing and still spans
+    resume (with the aborted requests' caches kept: no prefill again either, so faster than abort):
+    with a slow prefill the frozen row is the faster one, restores nothing and still spans
     versions; and its replicas really stop during training: with a freeze that holds nothing (the
     tail decoding through training, which a colocate step must not do) the row would be faster."""
     from lightning_fasync.config import load_config_file
@@ -225,13 +226,16 @@ def test_the_frozen_tail_pays_no_prefill_again_and_decodes_nothing_while_the_tra
     prof = dataclasses.replace(prof, engine=engine)
     groups = [[400 if g % 3 == 0 and i == 0 else 10 for i in range(cfg.N)] for g in range(48)]
     modes = [m for m in MODES if m[0].startswith("colocate")]
-    assert [m[0] for m in modes] == ["colocate", "colocate + partial", "colocate + partial, tail frozen"]
-    _, abort, frozen = predict(cfg, prof, steps=8, modes=modes, lengths=groups, oversample=cfg.B)
+    assert [m[0] for m in modes] == ["colocate", "colocate + partial", "colocate + partial, KV kept",
+                                     "colocate + partial, tail frozen"]
+    _, abort, kept, frozen = predict(cfg, prof, steps=8, modes=modes, lengths=groups, oversample=cfg.B)
     assert frozen["avg_step_excl0"] < abort["avg_step_excl0"]
     assert abort["partial_restored_count"] > 0 and frozen["partial_restored_count"] == 0
     assert frozen["partial_ratio"] > 0
+    # Aborted and resumed from the caches they left: restored as abort's, with no prefill again.
+    assert kept["avg_step_excl0"] < abort["avg_step_excl0"] and kept["partial_restored_count"] > 0
     monkeypatch.setattr(_SimRollout, "freeze_in_flight", lambda self, timeout: None)
-    (_, _, leaky) = predict(cfg, prof, steps=8, modes=modes, lengths=groups, oversample=cfg.B)
+    (_, _, _, leaky) = predict(cfg, prof, steps=8, modes=modes, lengths=groups, oversample=cfg.B)
     assert leaky["avg_step_excl0"] < frozen["avg_step_excl0"]
 
 

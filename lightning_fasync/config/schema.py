@@ -454,6 +454,15 @@ class RolloutConfig:
     swap: ``keep`` (PipelineRL: the keys and values computed by the old weights stay, decoding goes on
     at once) or ``recompute`` (NeMo-RL: the engine drops them and prefills prompt + tokens so far again
     under the new weights; SGLang's ``retract`` pause mode)."""
+    resume_kv: str = "recompute"
+    """A request aborted at a boundary (``rollout.partial: true``, aborted rather than frozen) and
+    resumed from its prompt and tokens so far: ``recompute`` (the spec's and SGLang's after an update
+    that flushes its cache: prefilled again under the new weights) or ``keep`` (the embedded
+    engine keeps the aborted request's KV cache through the weight update, which then does not
+    flush it, and the resumed request goes on from it with no prefill: the keys and values of its
+    earlier tokens stay the older weights', as a frozen request's with ``inflight_kv: keep``).
+    ``embedded`` backend only; a replica that needs the memory, a restart or a colocate offload of
+    the KV cache drops kept caches, and the request is then prefilled again."""
     sglang_args: SGLangArgs = field(default_factory=SGLangArgs)
     """Engine server arguments."""
     vllm_args: VLLMArgs = field(default_factory=VLLMArgs)
@@ -559,6 +568,15 @@ class RolloutConfig:
                 f"{' (here ' + self.boundary_mode + ')' if mode == 'auto' else ''}; it applies to in-flight updates "
                 "only: set weight_update_mode: inflight or leave it at keep."
             )
+        if self.resume_kv not in ("recompute", "keep"):
+            raise ConfigError(f"`rollout.resume_kv` is {self.resume_kv!r}; it must be recompute or keep.")
+        if self.resume_kv == "keep" and not self.partial:
+            raise ConfigError("`rollout.resume_kv` is keep while `rollout.partial` is false; nothing is aborted and "
+                              "resumed then: set partial: true or leave resume_kv at recompute.")
+        if self.resume_kv == "keep" and self.backend != "embedded":
+            raise ConfigError(f"`rollout.resume_kv` is keep while `rollout.backend` is {self.backend}; keeping an aborted "
+                              "request's cache is the embedded engine's (--keep-aborted-kv): use backend: embedded or "
+                              "leave resume_kv at recompute.")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"`rollout.placement` is {self.placement!r}; it must be one of {', '.join(PLACEMENTS)}.")
         self.ray.check()

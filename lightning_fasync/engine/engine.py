@@ -20,8 +20,9 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Container, Mapping, Optional
 
 import torch
 
@@ -93,6 +94,7 @@ class EngineRequest:
     input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
     input_token_ids_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
     retractions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV an aborted request left behind (keep_aborted_kv)
     finish_reason: Optional[dict[str, Any]] = None
     error: Optional[BaseException] = None
     slot: Optional[int] = None
@@ -157,6 +159,15 @@ class Engine:
             from the memory budget.
         mem_fraction_static: Share of the memory available at start that weights + KV pool may take
             (SGLang's ``--mem-fraction-static``).
+        keep_aborted_kv: Keep an aborted request's KV cache (its slot and blocks: the prompt and
+            every output token but the last) instead of freeing it. A later request whose prompt is
+            those tokens plus one more (a partial rollout resumed: prompt + tokens so far) takes the
+            cache over and goes on decoding from it, with no prefill; its ``cached_tokens`` says how
+            many tokens it did not prefill, as SGLang's prefix cache does. Kept caches give way,
+            oldest first, to requests that need the memory, and go with ``/flush_cache``, a weight
+            update with ``flush_cache`` and a release of the KV cache; an update without
+            ``flush_cache`` leaves them, computed under the earlier weights (as a frozen request's
+            cache across an in-flight update).
     """
 
     def __init__(
@@ -175,6 +186,7 @@ class Engine:
         max_total_tokens: Optional[int] = None,
         mem_fraction_static: Optional[float] = None,
         deterministic: bool = False,
+        keep_aborted_kv: bool = False,
     ) -> None:
         self.max_running_requests = max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         self.context_length = context_length or min(
@@ -213,6 +225,13 @@ class Engine:
         self.retracted_requests = 0  # by a retract pause or a full KV pool: each is prefilled again
         self.enable_memory_saver = enable_memory_saver
         self.released_tags: set[str] = set()  # engine thread writes; see release_memory_occupation
+        # An aborted request's slot and KV blocks, kept (oldest first) under the tokens they hold,
+        # until a request whose prompt continues them adopts them, the memory is needed, or the
+        # cache is flushed (engine thread only; see keep_aborted_kv in the class docstring).
+        self.keep_aborted_kv = keep_aborted_kv
+        self._kept: "OrderedDict[tuple[int, ...], int]" = OrderedDict()
+        self.kept_kv_hits = 0  # resumed requests that went on from a kept cache instead of a prefill
+        self.kept_kv_tokens = 0  # the prompt tokens those hits did not prefill
         self._thread = threading.Thread(target=self._run, name="fasync-engine", daemon=True)
         self._thread.start()
 
@@ -349,10 +368,9 @@ class Engine:
         return self._call(op)
 
     def flush_cache(self) -> tuple[bool, str]:
-        """SGLang ``/flush_cache``: refused while a request holds cache, as in SGLang.
-
-        The engine keeps no cache across requests (no prefix cache), so there is nothing else to drop.
-        """
+        """SGLang ``/flush_cache``: refused while a request holds cache, as in SGLang; otherwise
+        drops the caches aborted requests left (``keep_aborted_kv``), the engine's only cache
+        across requests."""
 
         def op() -> tuple[bool, str]:
             with self._cond:
@@ -362,9 +380,20 @@ class Engine:
                     f"Cache not flushed: {len(self._running)} running and {queued} waiting request(s). "
                     "(When there are running or waiting requests, the operation will not be performed.)\n"
                 )
+            self._drop_kept()
             return True, "Cache flushed.\n"
 
         return self._call(op)
+
+    def drop_kept_kv(self) -> None:
+        """Drop the caches aborted requests left (``keep_aborted_kv``), running requests aside: what
+        a weight update with ``flush_cache`` does to them."""
+        self._call(self._drop_kept)
+
+    @property
+    def kept_kv(self) -> int:
+        """How many aborted requests' caches are kept now."""
+        return len(self._kept)
 
     def resume(self) -> None:
         """Continue after ``pause`` (SGLang ``/continue_generation``)."""
@@ -448,6 +477,8 @@ class Engine:
                     f"{waiting} waiting request(s); abort them or pause generation first."
                 )
             freed = 0
+            if "kv_cache" in tags:
+                self._drop_kept()  # they would point into memory about to go
             if self.enable_memory_saver:
                 if "kv_cache" in tags:
                     freed += self.runner.release_kv_cache()
@@ -509,6 +540,7 @@ class Engine:
                             "decode_retractions": self.decode_retractions},
                 "prefill_tokens": self.prefill_tokens, "aborted_requests": self.aborted_requests,
                 "retracted_requests": self.retracted_requests,
+                "kept_kv": len(self._kept), "kept_kv_hits": self.kept_kv_hits, "kept_kv_tokens": self.kept_kv_tokens,
                 "released_tags": [t for t in MEMORY_TAGS if t in self.released_tags],
                 "enable_memory_saver": self.enable_memory_saver}
 
@@ -605,18 +637,29 @@ class Engine:
 
     def _admit(self) -> None:
         free = self.runner.free_blocks
+        adopt: dict[int, tuple[int, ...]] = {}  # id(request) -> the kept cache it goes on from
         with self._cond:
-            n = 0
-            for req in self._waiting[: len(self._free_slots)]:
+            n, slots = 0, len(self._free_slots)
+            for req in self._waiting:
+                key = self._kept_key(req)
+                if key is not None and key not in adopt.values():
+                    adopt[id(req)] = key  # its slot and blocks are there already
+                    n += 1
+                    continue
                 take, need = self._admission_blocks(req)
-                if need > free:
+                # Kept caches give way, oldest first, to a request that needs their memory.
+                while (slots == 0 or need > free) and len(self._kept) > len(adopt):
+                    free += self._evict_kept(set(adopt.values()))
+                    slots += 1
+                if slots == 0 or need > free:
                     break  # first come, first served: the rest wait behind it
                 free -= take
+                slots -= 1
                 n += 1
             new, self._waiting = self._waiting[:n], self._waiting[n:]
         if not new:
             return
-        admitted = []
+        admitted, adopted = [], []
         for req in new:
             if req.logprob_start_len >= 0 and req.input_token_logprobs is None:
                 self._input_logprobs(req)
@@ -632,8 +675,20 @@ class Engine:
             if req._max_output <= len(req.output_ids):  # max_new_tokens 0: a prefill-only request
                 self._finish(req, {"type": "length", "length": len(req.output_ids)})
                 continue
+            key = adopt.get(id(req))
+            if key is not None:  # its next decode step feeds its last prompt token
+                req.slot = self._kept.pop(key)
+                req.cached_tokens = len(key)
+                self.kept_kv_hits += 1
+                self.kept_kv_tokens += len(key)
+                adopted.append(req)
+                continue
             req.slot = self._free_slots.pop(0)
             admitted.append(req)
+        if adopted:
+            self._running.extend(adopted)
+            self._running.sort(key=lambda r: r.slot)
+            self._batch_params = None
         if not admitted:
             return
         # A retracted request is prefilled again with its tokens so far (SGLang's retract).
@@ -753,6 +808,8 @@ class Engine:
         # A request whose new token starts a page needs a block for it first.
         growing = [r for r, p in zip(self._running, positions) if p % page == 0]
         if growing:
+            while len(growing) > self.runner.free_blocks and self._evict_kept():
+                pass  # kept caches give way to running requests before any is retracted
             if len(growing) > self.runner.free_blocks:
                 self._retract_decode(growing)
                 if not self._running:
@@ -764,14 +821,14 @@ class Engine:
         batch = self._running  # sorted by slot
         if self.deterministic:
             for req, position in zip(list(batch), positions):
-                logits = self.runner.decode([req.slot], [req.output_ids[-1]], [position])
+                logits = self.runner.decode([req.slot], [_last_token(req)], [position])
                 self._append_tokens([req], logits, self._sampling_params([req]))
             self.steps += 1
             return
         if self._batch_params is None:
             self._batch_params = self._sampling_params(batch)
         params = self._batch_params
-        logits = self.runner.decode(params[0], [r.output_ids[-1] for r in batch], positions)
+        logits = self.runner.decode(params[0], [_last_token(r) for r in batch], positions)
         self.steps += 1
         self._append_tokens(list(batch), logits, params)
 
@@ -863,9 +920,15 @@ class Engine:
                 self._batch_params = None
                 break
         if req.slot is not None:
-            self.runner.free(req.slot)
-            self._free_slots.append(req.slot)
-            self._free_slots.sort()  # lowest slots first keeps the batch contiguous (the pool read as a view)
+            if (self.keep_aborted_kv and error is None and reason.get("type") == "abort"
+                    and reason.get("status_code") is None and len(req.input_ids) + len(req.output_ids) > 1):
+                # The cache holds the prompt and every output token but the last (never fed back).
+                tokens = tuple((req.input_ids + req.output_ids)[:-1])
+                if tokens in self._kept:
+                    self._free_slot(self._kept.pop(tokens))
+                self._kept[tokens] = req.slot
+            else:
+                self._free_slot(req.slot)
             req.slot = None
         req.finish_reason, req.error, req.finished_at = reason, error, time.monotonic()
         if req.on_finish is not None:
@@ -874,6 +937,33 @@ class Engine:
             except Exception:
                 # A caller's callback must not take the engine down for everyone; log it loudly.
                 logger.exception("on_finish callback of request %s raised.", req.rid)
+
+    def _free_slot(self, slot: int) -> None:
+        self.runner.free(slot)
+        self._free_slots.append(slot)
+        self._free_slots.sort()  # lowest slots first keeps the batch contiguous (the pool read as a view)
+
+    def _evict_kept(self, spare: Container[tuple[int, ...]] = ()) -> int:
+        """Free the oldest kept cache not in ``spare``; returns the blocks it held (0: none left)."""
+        for tokens in self._kept:
+            if tokens not in spare:
+                slot = self._kept.pop(tokens)
+                blocks = len(self.runner.slot_blocks(slot))
+                self._free_slot(slot)
+                return blocks
+        return 0
+
+    def _drop_kept(self) -> None:
+        while self._kept:
+            self._free_slot(self._kept.popitem(last=False)[1])
+
+    def _kept_key(self, req: EngineRequest) -> Optional[tuple[int, ...]]:
+        """The kept cache a waiting request can go on from: its prompt less the last token, for a
+        request with no tokens of its own yet (a retracted one is prefilled as before)."""
+        if not self._kept or req.output_ids or req.retractions or len(req.input_ids) < 2:
+            return None
+        key = tuple(req.input_ids[:-1])
+        return key if key in self._kept else None
 
     def _fail_everything(self) -> None:
         error = EngineDeadError(self._dead_message())
@@ -884,6 +974,12 @@ class Engine:
             fut.set_exception(error)
         for req in pending + list(self._running):
             self._finish(req, {"type": "abort", "message": str(error), "status_code": 503}, error)
+
+
+def _last_token(req: EngineRequest) -> int:
+    """The token a decode step feeds: the last output token, or the last prompt token of a request
+    that went on from a kept cache (it had no prefill to sample its first token from)."""
+    return req.output_ids[-1] if req.output_ids else req.input_ids[-1]
 
 
 def _memory_tags(tags: Optional[list[str]]) -> list[str]:

@@ -208,6 +208,8 @@ async def apply_update(request: web.Request, tensors: dict[str, Any], version: O
     state = request.app[STATE_KEY]
     if state["weight_update_session"] is not None:
         state["weight_update_session"]["loaded"] = True
+    if flush:  # the caches aborted requests left were computed under the old weights
+        await blocking(engine.drop_kept_kv)
     if flush and engine.paused and not (await blocking(engine.flush_cache))[0]:
         return web.json_response({"success": False, "message": (
             "Weights were updated, but the cache was not flushed because requests are still running or queued. "

@@ -116,7 +116,9 @@ def render(engine: Any, metrics: RequestMetrics, model_name: str, startup_time: 
     gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", load["num_waiting_reqs"])
     gauge("sglang:gen_throughput", "The generation throughput (token/s).",
           metrics.throughput(engine.generated_tokens, started_at))
-    gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", 0.0)  # no prefix cache
+    # The only cache across requests: aborted requests' kept caches (--keep-aborted-kv).
+    looked_up = engine.prefill_tokens + engine.kept_kv_tokens
+    gauge("sglang:cache_hit_rate", "The prefix cache hit rate.", engine.kept_kv_tokens / looked_up if looked_up else 0.0)
     gauge("sglang:token_usage", "The token usage.", used / capacity if capacity else 0.0)
     gauge("sglang:num_used_tokens", "The number of used tokens.", used)
     gauge("sglang:kv_available_tokens", "Number of free token slots in the KV cache pool.", capacity - used)

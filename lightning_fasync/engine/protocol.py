@@ -559,7 +559,7 @@ def item_response(req: EngineRequest, item: GenItem, tokenizer: Any, current_ver
         "finish_reason": req.finish_reason if finished else None,
         "prompt_tokens": len(req.input_ids),
         "completion_tokens": n_out,
-        "cached_tokens": 0,
+        "cached_tokens": req.cached_tokens,
         "e2e_latency": (req.finished_at or req.created_at) - req.created_at,
         "weight_version": spans[-1]["version"],
         "weight_versions": spans,

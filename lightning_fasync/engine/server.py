@@ -636,7 +636,12 @@ def parse_args(argv: Optional[list[str]] = None) -> Namespace:
                    help="Free the memory /release_memory_occupation releases (SGLang's flag); without it the call "
                         "frees nothing, as in SGLang.")
     p.add_argument("--disable-radix-cache", action="store_true",
-                   help="SGLang's flag; this engine keeps no prefix cache across requests, so it always holds.")
+                   help="SGLang's flag; this engine keeps no prefix cache across requests (but --keep-aborted-kv's), "
+                        "so it always holds.")
+    p.add_argument("--keep-aborted-kv", action="store_true",
+                   help="Keep an aborted request's KV cache; a request whose prompt is its prompt and tokens so far plus "
+                        "one more goes on from it with no prefill, until the memory is needed, /flush_cache or an update "
+                        "with flush_cache (this engine's; rollout.resume_kv: keep).")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="SGLang's flag: a request's tokens and log-probs do not depend on the requests batched with it "
                         "(here each request runs on its own: slower).")
@@ -708,7 +713,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         return_original_logprob=args.return_original_logprob,
                         enable_memory_saver=args.enable_memory_saver, page_size=args.page_size,
                         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-                        deterministic=args.enable_deterministic_inference)
+                        deterministic=args.enable_deterministic_inference,
+                        keep_aborted_kv=args.keep_aborted_kv and not args.disable_radix_cache)
     except (KVCacheTooLargeError, UnsupportedModelError, ValueError) as exc:  # a configuration to fix, not a crash
         print(f"lightning-fasync serve: {exc}", file=sys.stderr)
         return 2

@@ -65,7 +65,7 @@ PLUGIN_FLAGS: dict[str, str] = {
 """``sglang.launch_server`` flags the plugin sets itself, and from what (not allowed in ``extra``)."""
 
 EMBEDDED_ONLY_FLAGS = ("--threads", "--cpu-cores", "--parent-pid", "--require-weight-update-session",
-                       "--return-original-logprob")
+                       "--return-original-logprob", "--keep-aborted-kv")
 """Flags of the embedded engine's server that ``sglang.launch_server`` does not have (tests check
 this against both parsers)."""
 
@@ -571,7 +571,8 @@ def _start_embedded(start: EngineStart) -> Any:
         cpu_cores=plan.replica_cores if placement is None else None,
         context_length=start.context_length,
         startup_timeout=start.startup_timeout,
-        server_args=list(start.server_args) + device_args(start.cfg.rollout.engine_device),
+        server_args=(list(start.server_args) + device_args(start.cfg.rollout.engine_device)
+                     + (["--keep-aborted-kv"] if start.cfg.rollout.resume_kv == "keep" else [])),
         placement=placement,
     ).start()
 

@@ -513,6 +513,7 @@ class RolloutRuntime:
                 timeout_s=self.admin_timeout, keep=keep,
                 work_dir=os.path.join(self.log_dir, "weights") if self.log_dir else None,
             )
+            self._sync.keep_cache = self.cfg.rollout.resume_kv == "keep"
         return self._sync
 
     # ------------------------------------------------------------------ colocate offload (engine side)

@@ -234,17 +234,21 @@ class WeightSync(abc.ABC):
         """Release a staged push that is not kept."""
 
     bracketed = True  # tensor and distributed updates run inside SGLang 0.5.23's bracket
+    keep_cache = False
+    """No ``/flush_cache`` and updates with ``flush_cache: false`` whatever the pause mode
+    (``rollout.resume_kv: keep``): the caches the aborted requests left stay for their resumption."""
 
     @property
     def flush_in_update(self) -> bool:
-        """The updates' ``flush_cache``: not after an ``in_place`` pause (its requests keep the old KV)."""
-        return self.pause_mode != "in_place"
+        """The updates' ``flush_cache``: not after an ``in_place`` pause (its requests keep the old KV),
+        nor with :attr:`keep_cache`."""
+        return self.pause_mode != "in_place" and not self.keep_cache
 
     async def _deliver(self, staged: Any, version: Optional[int], where: str) -> None:
         await self.connect()
         # /flush_cache around the update only when this push paused generation (it then succeeds
         # once the aborted or retracted requests are gone); the updates flush too.
-        flush = self.pause_mode not in (None, "in_place")
+        flush = self.pause_mode not in (None, "in_place") and not self.keep_cache
         if self.pause_mode is not None:
             await self._admin(self.client.pause(self.pause_mode), "pause_generation", where)
             if flush:

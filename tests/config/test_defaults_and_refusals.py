@@ -211,3 +211,15 @@ def test_recompute_is_refused_where_nothing_stays_in_flight():
     cfg = fully_async(**{"rollout.partial": False, "rollout.weight_update_mode": "auto", "rollout.inflight_kv": "recompute"})
     with pytest.raises(ConfigError, match=r"`rollout.weight_update_mode` is auto \(here wait\)"):
         validate(cfg)
+
+
+def test_resume_kv_keep_needs_partial_rollout_and_the_embedded_engine():
+    keep = fully_async(**{"rollout.partial": True, "rollout.resume_kv": "keep"})
+    validate(keep)
+    assert load_config({}).rollout.resume_kv == "recompute"
+    with pytest.raises(ConfigError, match="`rollout.resume_kv` is 'later'; it must be recompute or keep"):
+        validate(fully_async(**{"rollout.resume_kv": "later"}))
+    with pytest.raises(ConfigError, match="`rollout.resume_kv` is keep while `rollout.partial` is false"):
+        validate(fully_async(**{"rollout.partial": False, "rollout.resume_kv": "keep"}))
+    with pytest.raises(ConfigError, match="`rollout.resume_kv` is keep while `rollout.backend` is vllm; .*embedded"):
+        validate(fully_async(**{"rollout.partial": True, "rollout.resume_kv": "keep", "rollout.backend": "vllm"}))

@@ -108,3 +108,91 @@ def test_a_frozen_request_continues_under_the_new_weights(models, mode):
         assert req.retractions == (1 if mode == "retract" else 0)
     finally:
         engine.stop()
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+@pytest.mark.parametrize("keep", [True, False])
+def test_an_aborted_request_resumed_after_an_update_goes_on_from_its_kept_cache(models, keep):
+    """``keep_aborted_kv`` (``rollout.resume_kv: keep``): the request aborted after its 5th token
+    leaves its cache; resumed after the swap (prompt + tokens so far, as the pipeline resumes it) it
+    goes on from that cache with no prefill, so its log-probs are the new weights' over the old
+    weights' keys and values (the frozen request's reference above), and ``cached_tokens`` counts
+    what it did not prefill. Without it the resumed request is prefilled again under the new weights."""
+    old, new, tok = models
+    engine = Engine(copy.deepcopy(old), max_running_requests=4, keep_aborted_kv=keep)
+    try:
+        prompt = tok("in flight", add_special_tokens=False)["input_ids"]
+        reached, aborting = threading.Event(), threading.Event()
+
+        def on_token(r):
+            if len(r.output_ids) == 5:
+                reached.set()
+                aborting.wait(30)
+
+        req, done = submit(engine, "a", prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0,
+                           on_token=on_token)
+        assert reached.wait(30), "the engine produced no 5th token within 30 s"
+        aborting.set()
+        assert engine.abort("a") == 1 and done.wait(30) and req.finish_reason["type"] == "abort"
+        k = len(req.output_ids)
+        assert 5 <= k < NEW_TOKENS and engine.kept_kv == (1 if keep else 0)
+        engine.update_weights({n: t.detach().clone() for n, t in new.state_dict().items()}, weight_version="1")
+        resumed, done = submit(engine, "a-resumed", prompt + req.output_ids, max_new_tokens=NEW_TOKENS - k,
+                               ignore_eos=True, temperature=1.0)
+        assert done.wait(60) and resumed.finish_reason["type"] == "length"
+        out = list(req.output_ids) + list(resumed.output_ids)
+        got = list(req.output_logprobs) + list(resumed.output_logprobs)
+        assert got == pytest.approx(_reference(old, new, prompt, out, k, keep=keep), abs=1e-4)
+        other = _reference(old, new, prompt, out, k, keep=not keep)
+        assert max(abs(a - b) for a, b in zip(got[k:], other[k:])) > 1e-2
+        assert resumed.cached_tokens == (len(prompt) + k - 1 if keep else 0)
+        assert engine.prefill_tokens == len(prompt) + (0 if keep else len(prompt) + k)
+        assert (engine.kept_kv_hits, engine.kept_kv) == ((1, 0) if keep else (0, 0))
+    finally:
+        engine.stop()
+
+
+def test_kept_caches_give_way_to_requests_that_need_the_memory_and_go_with_a_flush(models):
+    """A kept cache holds its slot and blocks until a request needs them (here the engine's only
+    other slot), a flush, or a release of the KV cache; a request whose prompt does not continue it
+    is prefilled as usual."""
+    old, _, tok = models
+    engine = Engine(copy.deepcopy(old), max_running_requests=2, keep_aborted_kv=True)
+    try:
+        def abort_after(rid, prompt, n=3):
+            reached, go = threading.Event(), threading.Event()
+
+            def on_token(r):
+                if len(r.output_ids) == n:
+                    reached.set()
+                    go.wait(30)
+
+            req, done = submit(engine, rid, prompt, max_new_tokens=100, ignore_eos=True, on_token=on_token)
+            assert reached.wait(30)
+            go.set()
+            assert engine.abort(rid) == 1 and done.wait(30)
+            return req
+
+        first = abort_after("x", [5, 6, 7])
+        second = abort_after("y", [8, 9, 10, 11])
+        assert engine.kept_kv == 2  # both slots held by kept caches
+        # Two requests that continue neither: each takes a kept cache's slot, oldest first.
+        runs = [submit(engine, f"n{i}", [12 + i, 13], max_new_tokens=4, ignore_eos=True) for i in range(2)]
+        assert all(done.wait(60) for _, done in runs) and engine.kept_kv == 0
+        assert engine.kept_kv_hits == 0 and all(r.cached_tokens == 0 for r, _ in runs)
+        # A flush drops a kept cache, and so does releasing the KV cache.
+        abort_after("z", [5, 6, 7])
+        assert engine.kept_kv == 1 and engine.flush_cache()[0] and engine.kept_kv == 0
+        abort_after("w", [5, 6, 7])
+        assert engine.kept_kv == 1
+        engine.pause("abort")
+        engine.release_memory_occupation(["kv_cache"])
+        assert engine.kept_kv == 0
+        engine.resume_memory_occupation(["kv_cache"])
+        engine.resume()
+        # What was aborted and never resumed is prefilled again when it comes back now.
+        again, done = submit(engine, "x-again", first.input_ids + first.output_ids, max_new_tokens=2, ignore_eos=True)
+        assert done.wait(60) and again.cached_tokens == 0
+        assert second.finish_reason["type"] == "abort"
+    finally:
+        engine.stop()

@@ -106,16 +106,13 @@ def _engine_counters(url: str) -> dict:
     return states["memory_usage"]
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("mode", ["fully-async", "colocate"])
-def test_inflight_updates_on_the_embedded_engine(tmp_path, policy, mode):
-    """Fully-async: the requests in flight at each boundary are frozen for the push. Colocate (the
-    tail frozen through training and the sync): the same engine calls, held longer."""
+def _six_steps_on_the_embedded_engine(tmp_path, policy, mode, rollout, seed):
+    """Six steps of the repeat task on a real embedded engine, a new policy pushed over the
+    ``tensor`` path at every boundary: (cfg, the step results, the consumed trajectories, the
+    engine's counters at the end)."""
     from lightning_fasync.config import load_config, validate
     from lightning_fasync.fleet.resources import plan_cpu_resources
     from lightning_fasync.runtime.rollout_runtime import RolloutRuntime
-    from lightning_fasync.algorithms.corrections import mask_offpolicy_tokens
 
     colocate = mode == "colocate"
     cfg = validate(load_config({
@@ -125,14 +122,13 @@ def test_inflight_updates_on_the_embedded_engine(tmp_path, policy, mode):
         "data_source": {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 4, "task": "repeat",
                         "num_prompts": 256, "task_args": {"max_len": 48}},
         "trainer": {"mini_batch_size": 8},
-        "rollout": {"partial": True, "weight_update_mode": "inflight", "max_response_length": 49,
-                    "mask_offpolicy_in_partial_rollout": True, "sampler": {"num_oversample": 4 if colocate else 0}},
+        "rollout": {"partial": True, "max_response_length": 49, "mask_offpolicy_in_partial_rollout": True,
+                    "sampler": {"num_oversample": 4 if colocate else 0}, **rollout},
     }))
-    assert cfg.boundary_mode == "inflight"
     runtime = RolloutRuntime(cfg, "tiny", plan_cpu_resources(1), log_dir=str(tmp_path), pin=False)
     ctl = runtime.controller
     model = policy
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
 
     class Push(Hooks):
         def sync_weights(self, version):
@@ -155,10 +151,24 @@ def test_inflight_updates_on_the_embedded_engine(tmp_path, policy, mode):
         runtime.sync_weights(dict(model.state_dict()), 0)
         ctl.start()
         results = run_steps(ctl, Push(), 6)
-        url = runtime.pool.worker_urls[0]
-        counters = _engine_counters(url)
+        counters = _engine_counters(runtime.pool.worker_urls[0])
     finally:
         runtime.shutdown()
+    return cfg, results, consumed, counters
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode", ["fully-async", "colocate"])
+def test_inflight_updates_on_the_embedded_engine(tmp_path, policy, mode):
+    """Fully-async: the requests in flight at each boundary are frozen for the push. Colocate (the
+    tail frozen through training and the sync): the same engine calls, held longer."""
+    from lightning_fasync.algorithms.corrections import mask_offpolicy_tokens
+
+    colocate = mode == "colocate"
+    cfg, results, consumed, counters = _six_steps_on_the_embedded_engine(
+        tmp_path, policy, mode, {"weight_update_mode": "inflight"}, seed=3)
+    assert cfg.boundary_mode == "inflight"
     # Nothing aborted, nothing retracted: no request was prefilled twice.
     assert counters["aborted_requests"] == 0 and counters["retracted_requests"] == 0
     ledger = read_jsonl(str(tmp_path / "ledger.jsonl"))
@@ -181,6 +191,30 @@ def test_inflight_updates_on_the_embedded_engine(tmp_path, policy, mode):
     assert all("rollout/partial_restored_count" not in m for _, m in results)
     prompts = [r["prompt"] for r in ledger if r["kind"] == "consume"]
     assert len(prompts) == len(set(prompts)) == 6 * cfg.B == total // cfg.N
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode", ["fully-async", "colocate"])
+def test_aborted_requests_resume_from_their_kept_cache_on_the_embedded_engine(tmp_path, policy, mode):
+    """``rollout.resume_kv: keep`` with the spec's abort boundary: the engine (launched with
+    ``--keep-aborted-kv``) keeps each aborted request's cache through the push, which flushes
+    nothing, and the resumed requests go on from it (SGLang's ``cached_tokens``), in fully-async and
+    in colocate + partial. Every prompt is still consumed once and no trajectory loses a token."""
+    cfg, _, consumed, counters = _six_steps_on_the_embedded_engine(
+        tmp_path, policy, mode, {"weight_update_mode": "abort", "resume_kv": "keep"}, seed=5)
+    ledger = read_jsonl(str(tmp_path / "ledger.jsonl"))
+    resumed = [r for r in ledger if r["kind"] == "recycle" and r["reason"] == "partial"]
+    assert counters["aborted_requests"] > 0 and resumed
+    # The resumed requests went on from the caches their aborted requests left (none was dropped by
+    # a flush: that would leave no hit at all).
+    assert counters["kept_kv_hits"] > 0 and counters["kept_kv_tokens"] > counters["kept_kv_hits"]
+    for t in consumed:
+        v = t.weight_versions
+        assert len(v) == len(t.response_ids) == len(t.rollout_log_probs) and v == sorted(v)
+    assert max(t.version_span for t in consumed) >= 1
+    prompts = [r["prompt"] for r in ledger if r["kind"] == "consume"]
+    assert len(prompts) == len(set(prompts)) == 6 * cfg.B
 
 
 class TickingEngine(EngineClient):
