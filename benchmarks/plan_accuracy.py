@@ -9,7 +9,7 @@ user gets from a first look) and with the lengths of a whole colocate run of the
 (``--lengths_from`` its ledger: a learning policy's lengths change after the profile's first steps),
 from the same profile (``--profile_from``), so the two differ by the lengths alone.
 
-    python benchmarks/plan_accuracy.py          # the three workloads, ~15 minutes on 2 cores
+    python benchmarks/plan_accuracy.py          # the four workloads, ~20 minutes on 2 cores
 
 Written to ``--out`` (default ``benchmarks/results/plan/``): ``accuracy.md`` (machine record and
 tables; ``accuracy-<workload>.md`` when ``--workloads`` names a subset), ``<workload>-profile/`` and

@@ -6,13 +6,14 @@ interleaved (round 1: every mode, then round 2, ...) so that a drift in the mach
 every mode alike:
 
 - colocate; colocate + partial (over-dispatch B/4 groups, or ``--oversample K``, abort the tail,
-  resume it next step): rollout, then training, each phase on every core;
+  resume it next step; again with the aborted requests' caches kept, ``rollout.resume_kv: keep``,
+  and with the tail frozen instead): rollout, then training, each phase on every core;
 - fully-async as configured (the default: windowed-fifo, stale 0; trainer and engine on disjoint
   halves of the cores, one torch thread per core);
 - fully-async with shared cores: trainer and engine each on every core with as many threads (the
   operating system shares them; the engine's OpenMP workers sleep when idle);
 - fully-async no-window, windowed-fifo, window-gated and staleness-bounded at stale 1.0, windowed-fifo
-  at stale 2.0 (the spec's tables 5.3 and 5.4);
+  at stale 2.0 (the spec's tables 5.3 and 5.4), and that last one with the caches kept;
 - how the boundary treats the requests in flight: waits for them, or in-flight updates (KV kept or
   recomputed), beside the default abort-and-resume.
 

@@ -342,3 +342,52 @@ def test_stopped_engine_answers_503(policy):
             await server.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_resumed_request_reports_the_tokens_its_kept_cache_saved_over_http(policy, tmp_path):
+    """``--keep-aborted-kv`` over SGLang's protocol: a request aborted through ``/abort_request``
+    leaves its cache; the resumed ``/generate`` (prompt + tokens so far) reports them in
+    ``meta_info.cached_tokens`` and ``/metrics`` a non-zero ``sglang:cache_hit_rate``; an update with
+    ``flush_cache`` (SGLang's default) drops what is kept, one with ``flush_cache: false`` does not."""
+    from safetensors.torch import save_file
+
+    from tests.helpers.engine import call, serve
+
+    async def body(session, url, engine):
+        prompt = [1, 5, 6, 7, 8]
+        first = asyncio.ensure_future(call(session, "POST", url + "/generate", {
+            "rid": "long", "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0.0}}))
+        while not engine._running or len(engine._running[0].output_ids) < 3:
+            await asyncio.sleep(0.001)
+        assert (await call(session, "POST", url + "/abort_request", {"rid": "long"}))[0] == 200
+        status, out = await first
+        assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+        done = out["output_ids"]
+        assert engine.kept_kv == 1
+        status, again = await call(session, "POST", url + "/generate", {
+            "input_ids": prompt + done, "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+        assert status == 200 and again["meta_info"]["cached_tokens"] == len(prompt) + len(done) - 1
+        _, metrics = await call(session, "GET", url + "/metrics")
+        rate = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("sglang:cache_hit_rate"))
+        assert rate > 0
+        # What flush_cache does to kept caches, through a weight update.
+        names = {n: t.detach().clone() for n, t in engine.model.state_dict().items()}
+        for flush in (False, True):
+            first = asyncio.ensure_future(call(session, "POST", url + "/generate", {
+                "input_ids": prompt, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}))
+            while not engine._running or len(engine._running[0].output_ids) < 3:
+                await asyncio.sleep(0.001)
+            engine.abort("", abort_all=True)
+            await first
+            kept = engine.kept_kv
+            assert kept >= 1
+            path = str(tmp_path / f"weights-{flush}")
+            os.makedirs(path)
+            save_file(names, os.path.join(path, "model.safetensors"))
+            status, res = await call(session, "POST", url + "/update_weights_from_disk",
+                                     {"model_path": path, "flush_cache": flush})
+            assert status == 200 and res["success"], res
+            assert engine.kept_kv == (0 if flush else kept), flush
+
+    serve(policy, body, {"enable_metrics": True}, own_model=True, keep_aborted_kv=True)
