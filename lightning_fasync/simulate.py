@@ -9,8 +9,8 @@ and timers) on a virtual clock; only the engines and the trainer's compute are m
   ``T(c) = peak * c / (c + half)``, shared equally by the ``c`` running requests (processor
   sharing), with ``c`` capped at ``rollout.sglang_args.max_running_requests`` (the rest queue);
   with a prefill rate, each request first prefills its input (a resumed one its tokens so far too,
-  unless ``rollout.resume_kv: keep``: then nothing), and no request on that replica decodes meanwhile, nor for a fixed time per request admitted
-  (``request_s``); a colocate step whose tail is frozen (``rollout.weight_update_mode: inflight``)
+  unless ``rollout.resume_kv: keep``: then nothing), and no request on that replica decodes
+  meanwhile, nor for a fixed time per request admitted (``request_s``); a colocate step whose tail is frozen (``rollout.weight_update_mode: inflight``)
   holds every replica still through training and the sync;
 - response lengths are long-tailed (log-normal, truncated at ``rollout.max_response_length``) or
   replayed from a trace (``--trace``: JSONL lines ``{"prompt": index, "lengths": [N ints]}``);
