@@ -86,13 +86,14 @@ SHARED = [f"--trainer.strategy.init_args.trainer_cores=[{','.join(map(str, _CORE
 # The spec's experiments abort and resume at the boundary (rollout.partial: true); a config's
 # weight_update_mode (auto reads in-flight updates there) must not change them, so their rows name abort.
 ABORT = ["--rollout.weight_update_mode=abort"]
+COLOCATE_PARTIAL = ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
+                    f"--rollout.sampler.num_oversample={B // 4}"]
+WINDOWED_FIFO_2 = ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=2.0", *ABORT]
+KEEP = ["--rollout.resume_kv=keep"]  # aborted requests resumed from the caches they left: no prefill again
 MODES: list[tuple[str, list[str]]] = [
     ("colocate", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"]),
-    ("colocate + partial", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
-                            f"--rollout.sampler.num_oversample={B // 4}"]),
-    # Aborted as above, and resumed from the caches the aborted requests left (no prefill again).
-    ("colocate + partial, KV kept", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
-                                     "--rollout.resume_kv=keep", f"--rollout.sampler.num_oversample={B // 4}"]),
+    ("colocate + partial", COLOCATE_PARTIAL),
+    ("colocate + partial, KV kept", COLOCATE_PARTIAL + KEEP),
     # The long tail frozen in the engines (KV kept) through training and the sync instead of aborted.
     ("colocate + partial, tail frozen", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
                                          "--rollout.weight_update_mode=inflight", f"--rollout.sampler.num_oversample={B // 4}"]),
@@ -101,11 +102,8 @@ MODES: list[tuple[str, list[str]]] = [
     ("fully-async no-window, stale 1.0", ["--fully_async.sliding_window=no-window", "--fully_async.stale_steps=1.0", *ABORT]),
     ("fully-async windowed-fifo, stale 1.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=1.0",
                                               *ABORT]),
-    ("fully-async windowed-fifo, stale 2.0", ["--fully_async.sliding_window=windowed-fifo", "--fully_async.stale_steps=2.0",
-                                              *ABORT]),
-    ("fully-async windowed-fifo, stale 2.0, KV kept", ["--fully_async.sliding_window=windowed-fifo",
-                                                       "--fully_async.stale_steps=2.0", *ABORT,
-                                                       "--rollout.resume_kv=keep"]),
+    ("fully-async windowed-fifo, stale 2.0", WINDOWED_FIFO_2),
+    ("fully-async windowed-fifo, stale 2.0, KV kept", WINDOWED_FIFO_2 + KEEP),
     ("fully-async window-gated, stale 1.0", ["--fully_async.sliding_window=window-gated", "--fully_async.stale_steps=1.0",
                                              *ABORT]),
     ("fully-async staleness-bounded, stale 1.0", ["--fully_async.sliding_window=staleness-bounded",

@@ -50,14 +50,15 @@ from lightning_fasync.simulate import ReplicaModel, SimConfig, Simulation, summa
 __all__ = ["EngineCurve", "TrainerFit", "RunProfile", "Profile", "MODES", "fit_curve", "fit_trainer", "load_profile", "predict", "main"]
 
 _ABORT = {"rollout.partial": True, "rollout.weight_update_mode": "abort"}
+_KEEP = {"rollout.resume_kv": "keep"}
+_COLOCATE_PARTIAL = {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
+                     "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep"}
+_WINDOWED_FIFO_2 = {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 2.0, **_ABORT}
 MODES: list[tuple[str, dict[str, Any]]] = [
     ("colocate", {"colocate": True, "fully_async.enable": False, "rollout.partial": False,
                   "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep"}),
-    ("colocate + partial", {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
-                            "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep"}),
-    ("colocate + partial, KV kept", {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
-                                     "rollout.weight_update_mode": None, "rollout.inflight_kv": "keep",
-                                     "rollout.resume_kv": "keep"}),
+    ("colocate + partial", _COLOCATE_PARTIAL),
+    ("colocate + partial, KV kept", {**_COLOCATE_PARTIAL, **_KEEP}),
     ("colocate + partial, tail frozen", {"colocate": True, "fully_async.enable": False, "rollout.partial": True,
                                          "rollout.weight_update_mode": "inflight", "rollout.inflight_kv": "keep",
                                          "colocate_offload": False}),
@@ -65,15 +66,12 @@ MODES: list[tuple[str, dict[str, Any]]] = [
     ("fully-async no-window, stale 1.0", {"fully_async.sliding_window": "no-window", "fully_async.stale_steps": 1.0, **_ABORT}),
     ("fully-async windowed-fifo, stale 1.0", {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 1.0,
                                               **_ABORT}),
-    ("fully-async windowed-fifo, stale 2.0", {"fully_async.sliding_window": "windowed-fifo", "fully_async.stale_steps": 2.0,
-                                              **_ABORT}),
+    ("fully-async windowed-fifo, stale 2.0", _WINDOWED_FIFO_2),
     ("fully-async window-gated, stale 1.0", {"fully_async.sliding_window": "window-gated", "fully_async.stale_steps": 1.0,
                                              **_ABORT}),
     ("fully-async staleness-bounded, stale 1.0", {"fully_async.sliding_window": "staleness-bounded",
                                                   "fully_async.stale_steps": 1.0, **_ABORT}),
-    ("fully-async windowed-fifo, stale 2.0, KV kept", {"fully_async.sliding_window": "windowed-fifo",
-                                                       "fully_async.stale_steps": 2.0, **_ABORT,
-                                                       "rollout.resume_kv": "keep"}),
+    ("fully-async windowed-fifo, stale 2.0, KV kept", {**_WINDOWED_FIFO_2, **_KEEP}),
     ("fully-async, boundary waits", {"rollout.partial": False, "rollout.weight_update_mode": None,
                                      "rollout.inflight_kv": "keep"}),
     ("fully-async, in-flight updates", {"rollout.partial": True, "rollout.weight_update_mode": "inflight"}),

@@ -34,9 +34,9 @@ def pytest_configure(config) -> None:
 
 # The slow pass's files by their tests' time, longest first (seconds in a CI run of 2026-12-07 with
 # the floors installing beside it, each file's slow tests summed; rounded). ``scripts/test`` keeps
-# this order (--no-loadscope-reorder): pytest-xdist's own puts files with the most tests first, which left the single long tests (a LoRA
-# fit, 81 s) for last, with one core idle for about a minute. The rest follow in collection order;
-# a stale figure costs time, not correctness.
+# this order (--no-loadscope-reorder): pytest-xdist's own puts files with the most tests first,
+# which left the single long tests (a LoRA fit, 81 s) for last, with one core idle for about a
+# minute. The rest follow in collection order; a stale figure costs time, not correctness.
 LONGEST_FIRST = {
     "tests/integration/test_engine_faults.py": 203, "tests/integration/test_gpu_all.py": 180,
     "tests/agents/test_tool_agent_flow.py": 147, "tests/integration/test_resume.py": 119, "tests/test_plan.py": 111,

@@ -64,6 +64,28 @@ def _reference(old, new, prompt: list[int], out: list[int], k: int, keep: bool) 
     return before + _logprobs(after, out[k:])
 
 
+class HoldAt:
+    """An ``on_token`` that holds the engine thread at a request's ``n``-th token until
+    :meth:`release`, then sleeps ``slow`` seconds per token: what the test does next lands
+    mid-decode however fast the model or however loaded the machine (a tiny model can decode a
+    whole answer between two polls of the test's thread)."""
+
+    def __init__(self, n: int, slow: float = 0.0) -> None:
+        self.n, self.slow = n, slow
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, r) -> None:
+        if len(r.output_ids) == self.n:
+            self.reached.set()
+            self.go.wait(30)
+        elif len(r.output_ids) > self.n and self.slow:
+            time.sleep(self.slow)
+
+    def wait_then_release(self) -> None:
+        assert self.reached.wait(30), f"the engine produced no token {self.n} within 30 s"
+        self.go.set()
+
+
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_a_frozen_request_continues_under_the_new_weights(models, mode):
@@ -71,22 +93,11 @@ def test_a_frozen_request_continues_under_the_new_weights(models, mode):
     engine = Engine(copy.deepcopy(old), max_running_requests=4)
     try:
         prompt = tok("in flight", add_special_tokens=False)["input_ids"]
-        # The engine thread holds at the 5th token until the pause is on its way, then decodes on
-        # slowly: the pause lands mid-decode however fast the model or however loaded the machine
-        # (a tiny model can decode all 40 tokens between two polls of this thread).
-        reached, pausing = threading.Event(), threading.Event()
-
-        def on_token(r):
-            if len(r.output_ids) == 5:
-                reached.set()
-                pausing.wait(30)
-            elif len(r.output_ids) > 5:
-                time.sleep(0.02)
-
+        # Held at the 5th token until the pause is on its way, then decoding on slowly.
+        hold = HoldAt(5, slow=0.02)
         req, done = submit(engine, "f", prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0,
-                           on_token=on_token)
-        assert reached.wait(30), "the engine produced no 5th token within 30 s"
-        pausing.set()
+                           on_token=hold)
+        hold.wait_then_release()
         assert engine.pause(mode) == (1 if mode == "retract" else 0)
         k = len(req.output_ids)
         assert 5 <= k < NEW_TOKENS and not done.is_set()
@@ -122,17 +133,10 @@ def test_an_aborted_request_resumed_after_an_update_goes_on_from_its_kept_cache(
     engine = Engine(copy.deepcopy(old), max_running_requests=4, keep_aborted_kv=keep)
     try:
         prompt = tok("in flight", add_special_tokens=False)["input_ids"]
-        reached, aborting = threading.Event(), threading.Event()
-
-        def on_token(r):
-            if len(r.output_ids) == 5:
-                reached.set()
-                aborting.wait(30)
-
+        hold = HoldAt(5)
         req, done = submit(engine, "a", prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0,
-                           on_token=on_token)
-        assert reached.wait(30), "the engine produced no 5th token within 30 s"
-        aborting.set()
+                           on_token=hold)
+        hold.wait_then_release()
         assert engine.abort("a") == 1 and done.wait(30) and req.finish_reason["type"] == "abort"
         k = len(req.output_ids)
         assert 5 <= k < NEW_TOKENS and engine.kept_kv == (1 if keep else 0)
@@ -159,17 +163,10 @@ def test_kept_caches_give_way_to_requests_that_need_the_memory_and_go_with_a_flu
     old, _, tok = models
     engine = Engine(copy.deepcopy(old), max_running_requests=2, keep_aborted_kv=True)
     try:
-        def abort_after(rid, prompt, n=3):
-            reached, go = threading.Event(), threading.Event()
-
-            def on_token(r):
-                if len(r.output_ids) == n:
-                    reached.set()
-                    go.wait(30)
-
-            req, done = submit(engine, rid, prompt, max_new_tokens=100, ignore_eos=True, on_token=on_token)
-            assert reached.wait(30)
-            go.set()
+        def abort_after(rid, prompt):
+            hold = HoldAt(3)
+            req, done = submit(engine, rid, prompt, max_new_tokens=100, ignore_eos=True, on_token=hold)
+            hold.wait_then_release()
             assert engine.abort(rid) == 1 and done.wait(30)
             return req
 

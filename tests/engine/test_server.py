@@ -353,13 +353,19 @@ def test_a_resumed_request_reports_the_tokens_its_kept_cache_saved_over_http(pol
 
     from tests.helpers.engine import call, serve
 
+    async def decoding(engine, tokens=3, timeout=30.0):
+        """Until the engine's one running request has ``tokens`` output tokens."""
+        deadline = time.monotonic() + timeout
+        while not engine._running or len(engine._running[0].output_ids) < tokens:
+            assert time.monotonic() < deadline, f"no running request reached {tokens} tokens within {timeout} s"
+            await asyncio.sleep(0.001)
+
     async def body(session, url, engine):
         prompt = [1, 5, 6, 7, 8]
         first = asyncio.ensure_future(call(session, "POST", url + "/generate", {
             "rid": "long", "input_ids": prompt,
             "sampling_params": {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0.0}}))
-        while not engine._running or len(engine._running[0].output_ids) < 3:
-            await asyncio.sleep(0.001)
+        await decoding(engine)
         assert (await call(session, "POST", url + "/abort_request", {"rid": "long"}))[0] == 200
         status, out = await first
         assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
@@ -376,8 +382,7 @@ def test_a_resumed_request_reports_the_tokens_its_kept_cache_saved_over_http(pol
         for flush in (False, True):
             first = asyncio.ensure_future(call(session, "POST", url + "/generate", {
                 "input_ids": prompt, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}))
-            while not engine._running or len(engine._running[0].output_ids) < 3:
-                await asyncio.sleep(0.001)
+            await decoding(engine)
             engine.abort("", abort_all=True)
             await first
             kept = engine.kept_kv

@@ -16,6 +16,7 @@ import pytest
 from lightning_fasync.pipeline.events import read_jsonl
 from lightning_fasync.plots import read_scalars
 from tests.helpers.paths import REPO
+from tests.trainer_packing.ranks_driver import DRIVERS
 
 TINY = os.path.join(REPO, "configs", "tiny_cpu.yaml")
 
@@ -31,8 +32,6 @@ def _failure(proc) -> str:
 def drivers_run(tmp_path_factory):
     """The four drivers in turn in one pair of rank processes (torch.distributed.run's), each into
     its own directory: one launch and one set of imports instead of four."""
-    from tests.trainer_packing.ranks_driver import DRIVERS
-
     out = tmp_path_factory.mktemp("ranks")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "tests.trainer_packing.ranks_driver", str(out), ",".join(DRIVERS)],
@@ -41,7 +40,7 @@ def drivers_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("driver", ["fabric-ddp", "fabric-fsdp2", "lightning-ddp", "lightning-fsdp2"])
+@pytest.mark.parametrize("driver", DRIVERS)
 def test_micro_batched_ranks_give_the_single_process_update(drivers_run, driver):
     out, proc = drivers_run
     assert proc.returncode == 0, _failure(proc)
