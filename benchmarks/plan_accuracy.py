@@ -38,9 +38,11 @@ from _machine import check_load, header, record  # noqa: E402
 from lightning_fasync.plan import speedup_cell  # noqa: E402
 
 # name: (config, live table, fit overrides of its live runs, plan's own options: the live table's
-# colocate + partial over-dispatch).
+# colocate + partial over-dispatch). A plan is set against a live table of the same machine: the
+# main job's and long-tail-kept's are the 2-core AMD EPYC's, long-tail's and long-tail-fixed's the
+# 2-core Intel Xeon's (their accuracy files say which profile they were set against).
 WORKLOADS = {
-    "main-job": ("configs/tiny_cpu.yaml", "benchmarks/results/speedup_main_intel/speedup.csv", [], []),
+    "main-job": ("configs/tiny_cpu.yaml", "benchmarks/results/speedup_main_amd/speedup.csv", [], []),
     "long-tail": ("configs/tiny_cpu_longtail.yaml", "benchmarks/results/speedup_longtail/speedup.csv",
                   ["--trainer.rollout_steps=80"], ["--oversample", "16"]),
     "long-tail-fixed": ("configs/tiny_cpu_longtail_fixed.yaml", "benchmarks/results/speedup_longtail_fixed_rerun/speedup.csv",

@@ -12,8 +12,9 @@ The profile is the real thing, short:
   interpolates the measured points (a CPU engine's curve is not the GPU-shaped ``T(c) = peak * c /
   (c + half)``, which is fitted too and printed), at a short context and again at a long one: the
   replica's throughput then follows its longest running request's context (the embedded engine
-  pads a batch's attention to its longest sequence); and the server's prefill rate and fixed cost
-  per request, each measured by difference so that none carries another's cost.
+  pads a batch's attention to its longest sequence); and the server's prefill rate, fixed cost per
+  request and fixed cost per prefill batch (the last from the engine's own counters), each measured
+  by difference so that none carries another's cost.
 
 Each mode is then simulated (:mod:`lightning_fasync.simulate`, the live pipeline on a virtual clock)
 with the calibration of its own resource layout, response lengths drawn from the profile's groups,
@@ -47,7 +48,8 @@ from typing import Any, Optional, Sequence
 from lightning_fasync.config import ConfigError, FasyncConfig, validate, with_overrides
 from lightning_fasync.simulate import ReplicaModel, SimConfig, Simulation, summarize
 
-__all__ = ["EngineCurve", "TrainerFit", "RunProfile", "Profile", "MODES", "fit_curve", "fit_trainer", "load_profile", "predict", "main"]
+__all__ = ["EngineCurve", "TrainerFit", "RunProfile", "Profile", "MODES", "batch_cost", "fit_curve", "fit_trainer",
+           "load_profile", "predict", "main"]
 
 _ABORT = {"rollout.partial": True, "rollout.weight_update_mode": "abort"}
 _KEEP = {"rollout.resume_kv": "keep"}
@@ -119,6 +121,8 @@ class EngineCurve:
     request_s: float = 0.0
     """Seconds of the whole engine each request costs besides its prefill and decode (admission,
     HTTP, result handling; 0: not measured)."""
+    prefill_batch_s: float = 0.0
+    """Seconds each prefill batch costs the engine besides its requests' own (0: not measured)."""
     context: float = 0.0
     """The mean context length (prompt and tokens so far) ``points`` were measured at."""
     long_points: list[tuple[int, float]] = field(default_factory=list)
@@ -205,6 +209,18 @@ def fit_trainer(samples: Sequence[tuple[int, float]], calls: int, threads: int) 
 # ------------------------------------------------------------------------------------------ profile
 
 
+def batch_cost(lone: Sequence[float], together: Sequence[float]) -> Optional[float]:
+    """A prefill batch's fixed cost from two ``(batches, requests, seconds)`` readings of the engine's
+    counters, one of requests sent one by one, one of the same requests sent together: the solution
+    of ``seconds = batches * cost + requests * each`` (at least 0: a noisy reading), or None when
+    the readings cannot separate the two (the requests sent together were admitted one by one too)."""
+    (c1, q1, s1), (c2, q2, s2) = lone, together
+    det = c1 * q2 - c2 * q1
+    if det <= 0:
+        return None
+    return max(0.0, (s1 * q2 - s2 * q1) / det)
+
+
 def _fit_args(config: str, overrides: Sequence[str]) -> list[str]:
     return ["--config", config, *overrides]
 
@@ -253,7 +269,8 @@ def _engine_curve(model: str, cores: list[int], max_running: int, context_length
     simulator's replica splits its time: decode tokens/s at each concurrency ``c``, at a short
     context and again at a long one (:data:`LONG_CONTEXT_FRACTION` of ``context_length``: an engine
     that pads a batch's attention to its longest sequence decodes slower while one long response
-    runs); prefill tokens/s; and a fixed cost per request (admission, the round trip, the result).
+    runs); prefill tokens/s; a fixed cost per request (admission, the round trip, the result); and
+    a fixed cost per prefill batch (a forward pass's own, which requests admitted together share).
 
     Each is measured by difference, so that none carries another's cost: a batch of ``c`` requests
     with ``1 + CURVE_TOKENS`` new tokens less the same batch with one new token is their decode
@@ -273,6 +290,7 @@ def _engine_curve(model: str, cores: list[int], max_running: int, context_length
     long_points: list[tuple[int, float]] = []
     prefill: list[float] = []
     request: list[float] = []
+    batch: list[float] = []
     long_len = min(4096, max(0, int(LONG_CONTEXT_FRACTION * (context_length - CURVE_TOKENS))))
     prompt = lambda i, n: [1] + [5 + (i * 7 + j) % 90 for j in range(n - 1)]  # noqa: E731
 
@@ -328,8 +346,39 @@ def _engine_curve(model: str, cores: list[int], max_running: int, context_length
                 found.append((rate_p, max(0.0, (tn - t1) / max(n - 1, 1) - len(CURVE_PROMPT) / rate_p)))
             prefill.append(statistics.median(p for p, _ in found))
             request.append(statistics.median(q for _, q in found))
+            batch.append(await prefill_batch_cost(client, single, shorts))
         finally:
             await client.close()
+
+    async def prefill_batch_cost(client: Any, single: list[Any], shorts: list[Any]) -> float:
+        """The fixed cost of one prefill batch, from the engine's own counters (``/get_server_info``'s
+        ``num_prefill_batches``, ``num_prefill_requests``, ``prefill_busy_s``): lone short requests
+        one after another (a batch each) against the same requests ``len(shorts)`` to a batch, so
+        that ``seconds = batches * cost + requests * each`` has one solution. The client's round
+        trip is no part of it: a saturated engine admits the request waiting for a freed slot with
+        no round trip between, one prefill batch each."""
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60.0)) as http:
+            async def counters() -> tuple[float, float, float]:
+                async with http.get(pool.worker_urls[0] + "/get_server_info") as resp:
+                    state = (await resp.json())["internal_states"][0]
+                return state["num_prefill_batches"], state["num_prefill_requests"], state["prefill_busy_s"]
+
+            async def measured(batches: list[list[Any]]) -> tuple[float, ...]:
+                before = await counters()
+                for reqs in batches:
+                    await client.generate_batch(reqs)
+                return tuple(a - b for a, b in zip(await counters(), before))
+
+            found = []
+            for _ in range(repeats):
+                lone = await measured([single] * len(shorts))
+                together = await measured([shorts] * CURVE_MIN_BATCHES)
+                cost = batch_cost(lone, together)
+                if cost is not None:
+                    found.append(cost)
+            return statistics.median(found) if found else 0.0
 
     try:
         asyncio.run(measure())
@@ -337,6 +386,7 @@ def _engine_curve(model: str, cores: list[int], max_running: int, context_length
         pool.stop()
     half = CURVE_TOKENS / 2
     return replace(fit_curve(points, threads=len(cores)), prefill_tokens_per_s=prefill[0], request_s=request[0],
+                   prefill_batch_s=batch[0],
                    context=len(CURVE_PROMPT) + half, long_points=long_points,
                    long_context=long_len + half if long_points else 0.0, repeats=repeats)
 
@@ -414,6 +464,7 @@ def _cpu_sim(cfg: FasyncConfig, prof: Profile, colocate: bool, steps: int, seed:
                     replica=ReplicaModel(curve.peak_tokens_per_s, curve.half_saturation,
                                          measured=[[c, t] for c, t in curve.points],
                                          prefill_tokens_per_s=curve.prefill_tokens_per_s, request_s=curve.request_s,
+                                         prefill_batch_s=curve.prefill_batch_s,
                                          measured_context=curve.context,
                                          measured_long=[[c, t] for c, t in curve.long_points],
                                          measured_long_context=curve.long_context),
@@ -546,6 +597,7 @@ def _profile_text(prof: Profile) -> str:
         pts = ", ".join(f"{n}: {t:.0f}" for n, t in c.points)
         prefill = f"; prefill {c.prefill_tokens_per_s:.0f} tokens/s" if c.prefill_tokens_per_s else ""
         prefill += f", {1000 * c.request_s:.2f} ms per request" if c.request_s else ""
+        prefill += f", {1000 * c.prefill_batch_s:.2f} ms per prefill batch" if c.prefill_batch_s else ""
         each = f", each the median of {c.repeats} difference{'s' if c.repeats > 1 else ''}" if c.repeats else ""
         out.append(f"- engine on {threads} core(s): tokens/s by concurrency {{{pts}}} (context ~{c.context:.0f}{each}); "
                    f"fit peak {c.peak_tokens_per_s:.0f} tokens/s, half-saturation {c.half_saturation:.1f}{prefill}")

@@ -10,8 +10,10 @@ and timers) on a virtual clock; only the engines and the trainer's compute are m
   sharing), with ``c`` capped at ``rollout.sglang_args.max_running_requests`` (the rest queue);
   with a prefill rate, each request first prefills its input (a resumed one its tokens so far too,
   unless ``rollout.resume_kv: keep``: then nothing), and no request on that replica decodes
-  meanwhile, nor for a fixed time per request admitted (``request_s``); a colocate step whose tail is frozen (``rollout.weight_update_mode: inflight``)
-  holds every replica still through training and the sync;
+  meanwhile, nor for a fixed time per request admitted (``request_s``) and per prefill batch
+  (``prefill_batch_s``: the requests admitted together share one; a saturated replica admits each
+  waiting request in a batch of its own as a slot frees); a colocate step whose tail is frozen
+  (``rollout.weight_update_mode: inflight``) holds every replica still through training and the sync;
 - response lengths are long-tailed (log-normal, truncated at ``rollout.max_response_length``) or
   replayed from a trace (``--trace``: JSONL lines ``{"prompt": index, "lengths": [N ints]}``);
 - a training call takes ``train_base_s + tokens * train_s_per_ktoken / 1000`` seconds on the
@@ -60,6 +62,10 @@ class ReplicaModel:
     request_s: float = 0.0
     """Seconds each admitted request holds the whole replica besides its prefill (scheduling, the
     HTTP round trip, handing back its result), again for a resumed request. 0 (the default): free."""
+    prefill_batch_s: float = 0.0
+    """Seconds each prefill batch holds the whole replica besides its requests' own (a forward pass's
+    fixed cost): the requests a replica admits together share one. A saturated replica admits the
+    requests waiting for a slot one batch per finish, each a batch of its own. 0 (the default): free."""
 
     measured_context: float = 0.0
     """The context length (tokens in the cache: prompt and response so far) ``measured`` was taken
@@ -206,6 +212,7 @@ class _Replica:
         self.waiting: list[_Request] = []
         self.debt = 0.0
         self._tie = 0
+        self._batch_open = False  # requests admitted before the replica's clock moves share one prefill batch
         # The longest running request's context is progress + _offset (each request's context is its
         # input plus progress since its admission).
         self._offset = -math.inf
@@ -223,6 +230,8 @@ class _Replica:
                             for _, _, r in self.running if not r.dead), default=-math.inf)
 
     def advance(self, dt: float) -> None:
+        if dt > 0:
+            self._batch_open = False
         paid = min(dt, self.debt)
         self.debt -= paid
         self.progress += self.rate() * (dt - paid)
@@ -232,9 +241,13 @@ class _Replica:
             self.waiting.append(req)
             return
         req.start_progress = self.progress
-        if self.model.prefill_tokens_per_s > 0 and not (req.base_len and self.keep_resumed):
+        prefilled = not (req.base_len and self.keep_resumed)
+        if self.model.prefill_tokens_per_s > 0 and prefilled:
             # L input tokens hold the whole replica L / P seconds: no running request decodes meanwhile.
             self.debt += (len(req.sample.input_ids) + req.base_len) / self.model.prefill_tokens_per_s
+        if prefilled and not self._batch_open:
+            self.debt += self.model.prefill_batch_s
+            self._batch_open = True
         self.debt += self.model.request_s
         req.key = self.progress + (req.target - req.base_len)
         self._tie += 1
@@ -275,6 +288,7 @@ class _Replica:
         for req in self.waiting:
             out.append((req, 0))
         self.running, self.waiting, self.num_running, self.debt = [], [], 0, 0.0  # no prefill left to owe
+        self._batch_open = False
         self._offset = -math.inf
         return out
 

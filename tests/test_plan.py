@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from lightning_fasync.config import ConfigError
-from lightning_fasync.plan import (MODES, Profile, RunProfile, TrainerFit, fit_curve, fit_trainer, main, predict,
-                                   read_lengths)
+from lightning_fasync.plan import (MODES, Profile, RunProfile, TrainerFit, batch_cost, fit_curve, fit_trainer, main,
+                                   predict, read_lengths)
 from tests.helpers.paths import REPO
 
 DAPO = os.path.join(REPO, "configs", "sim", "dapo_h20.yaml")
@@ -297,6 +297,65 @@ def test_each_admitted_request_costs_the_replica_its_fixed_time_again_when_resum
     assert costly_rows[1]["speedup_excl0"] < free[1]["speedup_excl0"]
 
 
+def test_requests_admitted_together_share_one_prefill_batch_and_a_saturated_replica_pays_one_per_freed_slot():
+    """prefill_batch_s (a forward pass's fixed cost, which plan measures from the engine's counters):
+    the requests a replica admits before its clock moves share one batch; a request waiting for a
+    slot is admitted in a batch of its own when one frees, as the engine does between decode steps,
+    so over-dispatching past max_running_requests costs a batch per finish; a resumed request that
+    adopts its kept cache runs no prefill and pays none."""
+    from lightning_fasync.config import load_config_file
+    from lightning_fasync.simulate import ReplicaModel, SimConfig, _Replica, _Request
+    from lightning_fasync.types import PromptId, PromptSample
+
+    sample = PromptSample(PromptId(0, 0), [1] * 10, {})
+    curve = [[1, 100.0], [64, 6400.0]]
+    plain = _Replica(ReplicaModel(measured=curve, prefill_tokens_per_s=1000.0), 64)
+    batched = _Replica(ReplicaModel(measured=curve, prefill_tokens_per_s=1000.0, prefill_batch_s=0.005), 64)
+    for r in (plain, batched):
+        for _ in range(4):
+            r.admit(_Request(traj=None, sample=sample, target=50))
+    # 4 prefills of 10 tokens in one batch, then 50 tokens at T(4) / 4 = 100 tokens/s each
+    assert plain.next_finish_dt() == pytest.approx(0.04 + 0.5)
+    assert batched.next_finish_dt() == pytest.approx(0.04 + 0.005 + 0.5)
+
+    def finish_all(replica: _Replica) -> float:
+        t = 0.0
+        while replica.num_running or replica.waiting:
+            dt = replica.next_finish_dt()
+            replica.advance(dt)
+            t += dt
+            replica.pop_finished()
+        return t
+
+    # One slot: each of 3 requests waits for the one before it, and is a batch of its own.
+    one = _Replica(ReplicaModel(measured=curve, prefill_tokens_per_s=1000.0, prefill_batch_s=0.005), 1)
+    for _ in range(3):
+        one.admit(_Request(traj=None, sample=sample, target=10))
+    assert finish_all(one) == pytest.approx(3 * (0.005 + 0.01 + 10 / 100.0))
+
+    kept = _Replica(ReplicaModel(measured=curve, prefill_tokens_per_s=1000.0, prefill_batch_s=0.005), 64,
+                    keep_resumed=True)
+    kept.admit(_Request(traj=None, sample=sample, target=50, base_len=20))  # adopts its cache: no prefill
+    assert kept.next_finish_dt() == pytest.approx(30 / 100.0)
+
+    cfg, _ = load_config_file(DAPO, simulate=SimConfig)
+    free, costly = _colocate_rows(cfg, prefill_batch_s=0.0), _colocate_rows(cfg, prefill_batch_s=0.5)
+    assert all(c["avg_step_excl0"] > f["avg_step_excl0"] for f, c in zip(free, costly))
+    assert costly[1]["speedup_excl0"] < free[1]["speedup_excl0"]
+
+
+def test_a_prefill_batch_cost_is_solved_from_the_engines_counters():
+    """64 lone requests (64 batches) against 3 batches of 64: ``seconds = batches * cost + requests *
+    each`` recovers both; readings that cannot separate them (the batched requests admitted one by
+    one too) give None, and a noisy negative solution reads 0."""
+    cost, each = 0.0015, 0.0004
+    reading = lambda batches, requests: (batches, requests, batches * cost + requests * each)  # noqa: E731
+    assert batch_cost(reading(64, 64), reading(3, 192)) == pytest.approx(cost)
+    assert batch_cost(reading(64, 64), reading(7, 192)) == pytest.approx(cost)  # arrivals split into more batches
+    assert batch_cost(reading(64, 64), reading(192, 192)) is None
+    assert batch_cost((64, 64, 0.02), (3, 192, 0.2)) == 0.0
+
+
 def test_refusals_name_the_option(tmp_path):
     with pytest.raises(ConfigError, match="`--config` is 'nope.yaml', which does not exist"):
         main(["--config", "nope.yaml"])
@@ -331,11 +390,14 @@ def test_a_short_profile_of_the_main_job_predicts_every_mode(tmp_path):
     assert all(curve["peak_tokens_per_s"] > 0 and len(curve["points"]) >= 3 for curve in prof["engine"].values())
     assert all(curve["prefill_tokens_per_s"] > 0 and curve["request_s"] > 0 and curve["repeats"] == 1
                for curve in prof["engine"].values())
+    # A forward pass's fixed cost, from the engine's counters (batch_cost's own test checks the
+    # solution; one noisy difference on a loaded machine may read 0).
+    assert all(curve["prefill_batch_s"] >= 0 for curve in prof["engine"].values())
     # The curve again at a long context (3/4 of the main job's 65 + 64 tokens, less the 48 decoded).
     assert all(len(curve["long_points"]) == len(curve["points"]) and curve["long_context"] > curve["context"] > 0
                and all(t > 0 for _, t in curve["long_points"]) for curve in prof["engine"].values())
     assert "at context ~" in proc.stdout and "each the median of 1 difference)" in proc.stdout
-    assert "prefill" in proc.stdout and "ms per request" in proc.stdout
+    assert "prefill" in proc.stdout and "ms per request" in proc.stdout and "ms per prefill batch" in proc.stdout
     assert sum(len(g) for g in prof["colocate"]["lengths"]) == 4 * 16 * 8  # every consumed group of its 4 steps
     assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
     assert "Recommended: " in proc.stdout and "engine on" in proc.stdout

@@ -221,6 +221,11 @@ class Engine:
         self.generated_tokens = 0  # output tokens sampled since start (engine thread writes)
         self.decode_retractions = 0  # requests sent back to the queue because the KV pool was full
         self.prefill_tokens = 0  # tokens run through prefill, re-prefills of retracted requests included
+        # Admissions that ran a prefill, the requests they prefilled and the seconds they took: what a
+        # prefill batch costs besides its requests' own (lightning-fasync plan measures it).
+        self.prefill_batches = 0
+        self.prefill_requests = 0
+        self.prefill_busy_s = 0.0
         self.aborted_requests = 0
         self.retracted_requests = 0  # by a retract pause or a full KV pool: each is prefilled again
         self.enable_memory_saver = enable_memory_saver
@@ -559,6 +564,10 @@ class Engine:
             "paused": self._paused,
             "pause_mode": self._pause_mode,
             "num_decode_steps": self.steps,
+            # Admissions that ran a prefill, the requests in them, and the seconds they took in all.
+            "num_prefill_batches": self.prefill_batches,
+            "num_prefill_requests": self.prefill_requests,
+            "prefill_busy_s": round(self.prefill_busy_s, 6),
             "weight_version": self.weight_version,
         }
 
@@ -613,7 +622,10 @@ class Engine:
                     continue
                 if not self._running:
                     self._await_burst()
+                t0, batches = time.perf_counter(), self.prefill_batches
                 self._admit()
+                if self.prefill_batches != batches:
+                    self.prefill_busy_s += time.perf_counter() - t0
                 if self._running:
                     self._decode_step()
         except BaseException as exc:
@@ -696,6 +708,8 @@ class Engine:
         slots = [r.slot for r in admitted]
         self.runner.allocate(slots, [len(p) for p in prompts])
         self.prefill_tokens += sum(len(p) for p in prompts)
+        self.prefill_batches += 1
+        self.prefill_requests += len(admitted)
         self._running.extend(admitted)
         self._running.sort(key=lambda r: r.slot)
         self._batch_params = None

@@ -164,6 +164,35 @@ def test_continuous_batching_respects_max_running(policy):
     assert eng.loads()["num_running_reqs"] == 0
 
 
+def test_the_prefill_counters_count_each_batch_its_requests_and_its_seconds(policy):
+    """``num_prefill_batches``, ``num_prefill_requests`` and ``prefill_busy_s`` (``/get_server_info``'s
+    ``internal_states``), which ``lightning-fasync plan`` reads to find a prefill batch's fixed
+    cost: one batch per prefill forward pass, each request once, and at least the passes' time."""
+    model, tok = policy
+    eng = Engine(model, max_running_requests=2)
+    passes: list[tuple[int, float]] = []
+    real_prefill = eng.runner.prefill
+
+    def recording_prefill(slots, prompts):
+        t0 = time.perf_counter()
+        out = real_prefill(slots, prompts)
+        passes.append((len(slots), time.perf_counter() - t0))
+        return out
+
+    eng.runner.prefill = recording_prefill
+    try:
+        reqs = [submit(eng, f"r{i}", ids(tok, "abc"), max_new_tokens=n, ignore_eos=True) for i, n in enumerate([5, 30, 12, 20, 8])]
+        for _, done in reqs:
+            assert done.wait(60)
+        load = eng.loads()
+    finally:
+        eng.stop()
+    # Two slots for five requests: the waiting ones were admitted as slots freed, in batches of their own.
+    assert load["num_prefill_batches"] == len(passes) >= 3
+    assert load["num_prefill_requests"] == sum(n for n, _ in passes) == 5
+    assert load["prefill_busy_s"] >= sum(dt for _, dt in passes) - 1e-6 > 0  # reported to the microsecond
+
+
 def test_stop_tokens_eos_and_context_cap(policy):
     model, tok = policy
     eng = Engine(model, context_length=32)
