@@ -9,7 +9,7 @@ user gets from a first look) and with the lengths of a whole colocate run of the
 (``--lengths_from`` its ledger: a learning policy's lengths change after the profile's first steps),
 from the same profile (``--profile_from``), so the two differ by the lengths alone.
 
-    python benchmarks/plan_accuracy.py          # the four workloads, ~20 minutes on 2 cores
+    python benchmarks/plan_accuracy.py          # every workload, ~25 minutes on 2 cores
 
 Written to ``--out`` (default ``benchmarks/results/plan/``): ``accuracy.md`` (machine record and
 tables; ``accuracy-<workload>.md`` when ``--workloads`` names a subset), ``<workload>-profile/`` and
@@ -39,8 +39,8 @@ from lightning_fasync.plan import speedup_cell  # noqa: E402
 
 # name: (config, live table, fit overrides of its live runs, plan's own options: the live table's
 # colocate + partial over-dispatch). A plan is set against a live table of the same machine: the
-# main job's and long-tail-kept's are the 2-core AMD EPYC's, long-tail's and long-tail-fixed's the
-# 2-core Intel Xeon's (their accuracy files say which profile they were set against).
+# main job's, long-tail-kept's and long-tail-amd's are the 2-core AMD EPYC's, long-tail's and
+# long-tail-fixed's the 2-core Intel Xeon's (their accuracy files say which profile they were set against).
 WORKLOADS = {
     "main-job": ("configs/tiny_cpu.yaml", "benchmarks/results/speedup_main_amd/speedup.csv", [], []),
     "long-tail": ("configs/tiny_cpu_longtail.yaml", "benchmarks/results/speedup_longtail/speedup.csv",
@@ -50,6 +50,9 @@ WORKLOADS = {
     # The same workload's table with the aborted requests' caches kept (rollout.resume_kv: keep).
     "long-tail-kept": ("configs/tiny_cpu_longtail_fixed.yaml", "benchmarks/results/speedup_longtail_kept/speedup.csv",
                        ["--trainer.rollout_steps=40"], ["--oversample", "16"]),
+    # Every mode of the spec's table on the same workload, the caches kept or not (AMD EPYC).
+    "long-tail-amd": ("configs/tiny_cpu_longtail_fixed.yaml", "benchmarks/results/speedup_longtail_amd/speedup.csv",
+                      ["--trainer.rollout_steps=40"], ["--oversample", "16"]),
 }
 
 
