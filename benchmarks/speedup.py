@@ -95,8 +95,7 @@ MODES: list[tuple[str, list[str]]] = [
     ("colocate + partial", COLOCATE_PARTIAL),
     ("colocate + partial, KV kept", COLOCATE_PARTIAL + KEEP),
     # The long tail frozen in the engines (KV kept) through training and the sync instead of aborted.
-    ("colocate + partial, tail frozen", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=true",
-                                         "--rollout.weight_update_mode=inflight", f"--rollout.sampler.num_oversample={B // 4}"]),
+    ("colocate + partial, tail frozen", COLOCATE_PARTIAL + ["--rollout.weight_update_mode=inflight"]),
     ("fully-async, abort and resume", ABORT),
     ("fully-async, shared cores", SHARED + ABORT),
     ("fully-async no-window, stale 1.0", ["--fully_async.sliding_window=no-window", "--fully_async.stale_steps=1.0", *ABORT]),
