@@ -5,9 +5,10 @@ predicts every mode's steady-state speedup over colocate (the median over its se
 brackets); the live speedups are read from the
 committed ``speedup.csv`` of the same workload (run ``benchmarks/speedup.py`` first, on the same
 kind of machine). Each workload is predicted twice: with the profile's own response lengths (what a
-user gets from a first look) and with the lengths of a whole colocate run of the config
-(``--lengths_from`` its ledger: a learning policy's lengths change after the profile's first steps),
-from the same profile (``--profile_from``), so the two differ by the lengths alone.
+user gets from a first look) and with the lengths of a whole colocate run of the config, replayed in
+the order that run consumed them (``--lengths_from`` its ledger: a learning policy's lengths change
+after the profile's first steps), from the same profile (``--profile_from``), so the two differ by
+the lengths alone.
 
     python benchmarks/plan_accuracy.py          # every workload, ~25 minutes on 2 cores
 

@@ -24,7 +24,8 @@ spec's ``configs/sim/dapo_h20.yaml``) is planned from that section's calibration
 the recommendation also weighs other trainer : rollout GPU splits of the same cluster.
 
 What the models leave out (docs/simulator.md): the response lengths are the profile's, early in
-training, while a learning policy changes them (``--lengths_from``); thread counts other than the
+training, while a learning policy changes them (``--lengths_from`` a whole run's ledger replays its
+lengths in the order it consumed them); thread counts other than the
 profiled split are not measured; one engine curve moves by up to a third between two profiles on
 a shared 2-core machine, at 64 requests most.
 """
@@ -46,9 +47,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 from lightning_fasync.config import ConfigError, FasyncConfig, validate, with_overrides
-from lightning_fasync.simulate import ReplicaModel, SimConfig, Simulation, summarize
+from lightning_fasync.simulate import ReplicaModel, RunReplay, SimConfig, Simulation, summarize
 
 __all__ = ["EngineCurve", "TrainerFit", "RunProfile", "Profile", "MODES", "batch_cost", "fit_curve", "fit_trainer",
+           "tokens_vary",
            "load_profile", "predict", "main"]
 
 _ABORT = {"rollout.partial": True, "rollout.weight_update_mode": "abort"}
@@ -101,6 +103,9 @@ batch of a difference sent back to back for at least ``CURVE_MIN_S / 2`` seconds
 ``CURVE_MIN_BATCHES`` times: one batch of 48 tokens lasts 0.05–0.15 s on a CPU, and single batches
 put one engine's curve 60 % apart between runs."""
 PROFILE_TIMEOUT_S = 1800.0
+SHORT_BUDGET_DIVISOR = 4
+"""The extra profile steps of a run whose steps all trained on about as many tokens answer within
+``rollout.max_response_length // SHORT_BUDGET_DIVISOR`` tokens."""
 
 
 # ------------------------------------------------------------------------------------------ models
@@ -156,6 +161,9 @@ class RunProfile:
     """The rest of a step that is neither rollout wait, training, sync nor pause (metrics, logging, the boundary)."""
     lengths: list[list[int]]
     """The response lengths of every consumed group."""
+    short_budget: int = 0
+    """The shorter ``rollout.max_response_length`` of the extra steps the trainer's fit also took
+    (0: none; they are taken when every profiled step trained on about as many tokens)."""
 
 
 @dataclass
@@ -190,12 +198,20 @@ def fit_curve(points: Sequence[tuple[int, float]], threads: int = 1) -> EngineCu
     return EngineCurve(threads, list(points), best[1], best[2])
 
 
+def tokens_vary(samples: Sequence[tuple[int, float]]) -> bool:
+    """Whether profiled steps' response tokens spread enough (5 % of their mean) to separate a
+    training call's fixed cost from its cost per token."""
+    xs = [t for t, _ in samples]
+    return len(xs) >= 3 and statistics.pstdev(xs) > 0.05 * max(statistics.fmean(xs), 1e-9)
+
+
 def fit_trainer(samples: Sequence[tuple[int, float]], calls: int, threads: int) -> TrainerFit:
     """Least squares of ``seconds = calls * base + k * tokens / 1000`` over the profiled steps, both
-    coefficients kept >= 0 (a fit through the origin when the tokens barely vary)."""
+    coefficients kept >= 0 (a fit through the origin when the tokens barely vary: :func:`profile`
+    then adds steps at a shorter response budget)."""
     xs = [t / 1000.0 for t, _ in samples]
     ys = [s for _, s in samples]
-    if len(samples) >= 3 and statistics.pstdev(xs) > 0.05 * max(statistics.fmean(xs), 1e-9):
+    if tokens_vary(samples):
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
         k = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
         base = (my - k * mx) / max(calls, 1)
@@ -411,11 +427,23 @@ def profile(args: Sequence[str], cfg: FasyncConfig, ns: Any, steps: int, curve_r
     model = ns["model"]["model"]
     calls = cfg.minibatches_per_step
     max_running = cfg.rollout.sglang_args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+    short = max(1, cfg.rollout.max_response_length // SHORT_BUDGET_DIVISOR)
     with tempfile.TemporaryDirectory(prefix="fasync-plan-") as root:
-        col = _profile_run("colocate", args, ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"],
-                           steps, root, calls, len(cores))
-        fa = _profile_run("fully-async", args, ["--colocate=false", "--fully_async.enable=true"], steps, root, calls,
-                          len(split.trainer_cores))
+        runs = []
+        for name, mode, threads in (
+                ("colocate", ["--colocate=true", "--fully_async.enable=false", "--rollout.partial=false"], len(cores)),
+                ("fully-async", ["--colocate=false", "--fully_async.enable=true"], len(split.trainer_cores))):
+            run = _profile_run(name, args, mode, steps, root, calls, threads)
+            if not tokens_vary(run.trainer.samples) and short < cfg.rollout.max_response_length:
+                # Every step trained on as many tokens (answers at the budget, a policy early in its
+                # learning): steps at a quarter of the budget separate the fixed cost of a training
+                # call from the cost per token, which a policy that learns to answer shorter pays.
+                more = _profile_run(f"{name}-short", [*args, f"--rollout.max_response_length={short}"], mode,
+                                    max(3, steps // 2), root, calls, threads)
+                run = replace(run, trainer=fit_trainer(run.trainer.samples + more.trainer.samples, calls, threads),
+                              short_budget=short)
+            runs.append(run)
+        col, fa = runs
     print("plan: measuring the engine's throughput curve ...", file=sys.stderr, flush=True)
     # The run's context: the configured one, else the longest response and a short prompt's room.
     context = cfg.rollout.sglang_args.context_length or cfg.rollout.max_response_length + 64
@@ -482,6 +510,14 @@ def _trace(groups: list[list[int]], n: int, prompts: int, seed: int) -> dict[int
     return {i: list(rng.choice(usable)) for i in range(prompts)}
 
 
+def _replay(runs: list[list[list[int]]], n: int, step_groups: int, seed: int) -> RunReplay:
+    """Whole runs' complete groups replayed in their order, each drawn from a step's worth of groups."""
+    usable = [[g for g in run if len(g) == n] for run in runs]
+    if not any(usable):
+        raise ValueError(f"The runs to replay consumed no complete group of {n} response lengths.")
+    return RunReplay(usable, max(1, step_groups), seed)
+
+
 def read_lengths(paths: Sequence[str]) -> list[list[int]]:
     """The ``response_lengths`` of every consumed group in ledgers (``ledger.jsonl`` of earlier runs)."""
     groups: list[list[int]] = []
@@ -499,10 +535,12 @@ def read_lengths(paths: Sequence[str]) -> list[list[int]]:
 def predict(cfg: FasyncConfig, prof: Optional[Profile], sim: Optional[SimConfig] = None, steps: int = 100,
             seed: int = 0, modes: Sequence[tuple[str, dict[str, Any]]] = MODES,
             lengths: Optional[list[list[int]]] = None, oversample: Optional[int] = None,
-            seeds: int = 1) -> list[dict[str, Any]]:
+            seeds: int = 1, replay_runs: Optional[list[list[list[int]]]] = None) -> list[dict[str, Any]]:
     """Each mode's simulated run: ``avg_step_excl0`` and ``speedup_excl0`` over the first mode's,
     with the mode's own calibration (``prof``) or the config's ``simulate:`` section (``sim``).
-    ``lengths``: the groups' response lengths to draw from (default: the profile's); ``oversample``:
+    ``lengths``: the groups' response lengths to draw from at random (default: the profile's);
+    ``replay_runs``: instead, whole earlier runs' groups, each in the order it consumed them, replayed in
+    that order (:class:`~lightning_fasync.simulate.RunReplay`, one step's groups of spread); ``oversample``:
     the groups ``colocate + partial`` over-dispatches (default B // 4).
 
     ``seeds`` runs of each mode (seeds ``seed .. seed + seeds - 1``: the prompt order and the
@@ -526,15 +564,19 @@ def predict(cfg: FasyncConfig, prof: Optional[Profile], sim: Optional[SimConfig]
         per_seed = []
         for k in range(max(1, seeds)):
             run_seed = seed + k
+            trace, replay = None, None
             if prof is not None:
                 run_cfg, mode_sim = _cpu_sim(mode_cfg, prof, over.get("colocate", False), steps, run_seed)
-                groups = lengths if lengths is not None else prof.colocate.lengths + prof.fully_async.lengths
-                trace = _trace(groups, cfg.N, mode_sim.num_prompts, run_seed)
+                if replay_runs is not None:
+                    replay = _replay(replay_runs, cfg.N, cfg.B, run_seed)
+                else:
+                    groups = lengths if lengths is not None else prof.colocate.lengths + prof.fully_async.lengths
+                    trace = _trace(groups, cfg.N, mode_sim.num_prompts, run_seed)
             else:
                 assert sim is not None
-                run_cfg, mode_sim, trace = mode_cfg, copy.deepcopy(sim), None
+                run_cfg, mode_sim = mode_cfg, copy.deepcopy(sim)
                 mode_sim.steps, mode_sim.seed, mode_sim.variants = steps, run_seed, []
-            per_seed.append(summarize(name, Simulation(run_cfg, mode_sim, trace=trace).run()))
+            per_seed.append(summarize(name, Simulation(run_cfg, mode_sim, trace=trace, replay=replay).run()))
         runs.append(per_seed)
     rows = []
     for per_seed in runs:
@@ -604,8 +646,11 @@ def _profile_text(prof: Profile) -> str:
             out.append(f"  at context ~{c.long_context:.0f}: {{{', '.join(f'{n}: {t:.0f}' for n, t in c.long_points)}}}")
     for run in (prof.colocate, prof.fully_async):
         t = run.trainer
+        budgets = (f" (fit over steps at response budgets {run.short_budget} and the config's)" if run.short_budget
+                   else "" if tokens_vary(t.samples) else " (through the origin: the profiled steps' tokens barely vary)")
         out.append(f"- trainer ({run.mode}, {t.threads} thread(s)): {t.base_s:.3f} s per call + {t.s_per_ktoken:.3f} s per "
-                   f"1k response tokens; boundary: sync {run.sync_s:.3f} s, pause {run.pause_s:.3f} s, other {run.other_s:.3f} s")
+                   f"1k response tokens{budgets}; boundary: sync {run.sync_s:.3f} s, pause {run.pause_s:.3f} s, "
+                   f"other {run.other_s:.3f} s")
     return "\n".join(out)
 
 
@@ -650,8 +695,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "median and range of their speedups")
     parser.add_argument("--out", default=None, help="write plan.md and plan.json here")
     parser.add_argument("--lengths_from", nargs="+", default=None, metavar="LEDGER",
-                        help="draw the response lengths from these ledger.jsonl files (a whole earlier run: a learning "
-                             "policy's lengths change after the profile's first steps)")
+                        help="replay the response lengths of these ledger.jsonl files (whole earlier runs), each in "
+                             "the order it consumed its groups: a learning policy's lengths change after the profile's "
+                             "first steps")
     parser.add_argument("--profile_from", default=None, metavar="PLAN_JSON",
                         help="take the profile of an earlier plan of this config (its plan.json) instead of profiling")
     parser.add_argument("--oversample", type=int, default=None, metavar="K",
@@ -698,12 +744,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         steps = args.steps or cfg.trainer.rollout_steps or 100
         prof = load_profile(args.profile_from) if args.profile_from else profile(fit, cfg, ns, args.profile_steps + 1,
                                                                                       args.curve_repeats or CURVE_REPEATS)
-        lengths = read_lengths(args.lengths_from) if args.lengths_from else None
-        rows = predict(cfg, prof, steps=steps, seed=args.seed, lengths=lengths, oversample=args.oversample,
+        # Each ledger a run, replayed in its order: a learning policy's lengths change over a run.
+        runs = [read_lengths([p]) for p in args.lengths_from] if args.lengths_from else None
+        rows = predict(cfg, prof, steps=steps, seed=args.seed, replay_runs=runs, oversample=args.oversample,
                        seeds=args.seeds)
         prof_text = _profile_text(prof) + (f"\n- the profile of {args.profile_from}" if args.profile_from else "") + (
-            f"\n- simulated response lengths drawn from {len(lengths)} groups of "
-                                           f"{', '.join(args.lengths_from)}" if lengths else "")
+            f"\n- simulated response lengths replayed in the order they were consumed from "
+            f"{sum(len(r) for r in runs)} groups of {', '.join(args.lengths_from)}" if runs else "")
     text = "\n\n".join([prof_text, _table(rows), recommendation(rows, splits),
                         f"{steps} simulated steps per mode, {args.seeds} seed(s) (the median, and the range in brackets); "
                         f"{time.perf_counter() - t0:.0f} s in all."])

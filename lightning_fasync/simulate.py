@@ -14,8 +14,10 @@ and timers) on a virtual clock; only the engines and the trainer's compute are m
   (``prefill_batch_s``: the requests admitted together share one; a saturated replica admits each
   waiting request in a batch of its own as a slot frees); a colocate step whose tail is frozen
   (``rollout.weight_update_mode: inflight``) holds every replica still through training and the sync;
-- response lengths are long-tailed (log-normal, truncated at ``rollout.max_response_length``) or
-  replayed from a trace (``--trace``: JSONL lines ``{"prompt": index, "lengths": [N ints]}``);
+- response lengths are long-tailed (log-normal, truncated at ``rollout.max_response_length``),
+  replayed from a trace (``--trace``: JSONL lines ``{"prompt": index, "lengths": [N ints]}``), or
+  replayed from whole earlier runs in the order they consumed their groups (:class:`RunReplay`: a
+  learning policy's lengths change over a run, and a step's cost with them);
 - a training call takes ``train_base_s + tokens * train_s_per_ktoken / 1000`` seconds on the
   reference trainer pool, scaled by how many GPUs train; weight sync and pause have fixed costs;
   colocate mode adds the offload/onload switches (``colocate_offload``, on for the simulated GPUs
@@ -335,6 +337,28 @@ class _SimRollout:
         self.sim.frozen = False
 
 
+class RunReplay:
+    """Response lengths of whole earlier runs in the order each consumed its groups: the ``k``-th
+    prompt a simulation dispatches takes one of the ``spread`` groups around the ``k``-th group of a
+    run drawn at random (past a run's end, one of its last ``spread``). Groups a step apart are
+    exchangeable; groups a hundred steps apart are not when the policy learns to answer shorter."""
+
+    def __init__(self, runs: list[list[list[int]]], spread: int, seed: int) -> None:
+        self.runs = [r for r in runs if r]
+        if not self.runs:
+            raise ValueError("RunReplay needs at least one run with a consumed group.")
+        if spread < 1:
+            raise ValueError(f"RunReplay's spread is {spread}; it must be >= 1 (groups to draw each one from).")
+        self.spread, self.rng, self.served = spread, random.Random(seed), 0
+
+    def next(self) -> list[int]:
+        run = self.runs[self.rng.randrange(len(self.runs))]
+        centre = min(self.served, len(run) - 1)
+        lo = max(0, min(centre - self.spread // 2, len(run) - self.spread))
+        self.served += 1
+        return list(run[lo + self.rng.randrange(min(self.spread, len(run)))])
+
+
 class Simulation:
     """One simulated run of ``cfg`` (fully-async, or colocate with or without partial rollout).
 
@@ -344,8 +368,11 @@ class Simulation:
     engines and the trainer's compute are modelled.
     """
 
-    def __init__(self, cfg: FasyncConfig, sim: SimConfig, trace: Optional[dict[int, list[int]]] = None, events_path: Optional[str] = None) -> None:
-        self.cfg, self.sim, self.trace = cfg, sim, trace
+    def __init__(self, cfg: FasyncConfig, sim: SimConfig, trace: Optional[dict[int, list[int]]] = None,
+                 events_path: Optional[str] = None, replay: Optional[RunReplay] = None) -> None:
+        if trace is not None and replay is not None:
+            raise ValueError("Simulation takes a trace or a replay of whole runs, not both.")
+        self.cfg, self.sim, self.trace, self.replay = cfg, sim, trace, replay
         self.now = 0.0
         self.frozen = False  # colocate in-flight: the engines hold their requests (_SimRollout.freeze_in_flight)
         self.rng = random.Random(sim.seed)
@@ -373,7 +400,11 @@ class Simulation:
         lengths = sample.metadata.get("_lengths")
         if lengths is None:
             ds_index = sample.metadata["dataset_index"]
-            if self.trace is not None:
+            if self.replay is not None:
+                lengths = self.replay.next()
+                if len(lengths) != self.cfg.N:
+                    raise ValueError(f"A replayed group has {len(lengths)} lengths; N is {self.cfg.N}.")
+            elif self.trace is not None:
                 lengths = self.trace.get(ds_index)
                 if lengths is None:
                     raise ValueError(f"The trace has no line for prompt {ds_index}; it needs one per simulated prompt.")

@@ -87,6 +87,44 @@ def test_the_trainer_fit_recovers_its_coefficients_and_stays_non_negative():
     assert flat.base_s == 0.0 and flat.s_per_ktoken == pytest.approx(0.5, rel=1e-2)
 
 
+def test_a_profile_whose_steps_train_on_as_many_tokens_adds_steps_at_a_quarter_of_the_budget(monkeypatch):
+    """The main job's first steps all answer at the budget: a fit through the origin would charge a
+    policy that learns to answer shorter nothing for a training call's fixed cost. The profile then
+    adds steps at a quarter of the budget and fits both; a run whose tokens vary gets none."""
+    import lightning_fasync.plan as plan_module
+    from lightning_fasync.lightning.cli import parse_fit_args
+
+    fit = ["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml")]
+    cfg, ns = parse_fit_args(fit)
+    base, k, calls = 0.03, 0.04, cfg.minibatches_per_step
+    seconds = lambda t: calls * base + k * t / 1000  # noqa: E731
+    ran = []
+
+    def fake_run(name, args, mode, steps, root, calls_, threads):
+        budget = next((int(a.split("=")[1]) for a in args if a.startswith("--rollout.max_response_length=")),
+                      cfg.rollout.max_response_length)
+        ran.append((name, budget, steps))
+        per = cfg.B * cfg.N * budget
+        tokens = [per + (i * 997 % 3000 if name.startswith("fully-async") else i) for i in range(steps - 1)]
+        samples = [(t, seconds(t)) for t in tokens]
+        return RunProfile(name, [1.0] * len(samples), fit_trainer(samples, calls_, threads), 0.01, 0.0, 0.0,
+                          [[budget] * cfg.N])
+
+    monkeypatch.setattr(plan_module, "_profile_run", fake_run)
+    monkeypatch.setattr(plan_module, "_engine_curve", lambda *a, **kw: fit_curve([(1, 10.0), (4, 30.0), (16, 60.0)]))
+    prof = plan_module.profile(fit, cfg, ns, steps=9)
+    short = cfg.rollout.max_response_length // 4
+    # colocate's tokens barely vary (< 5 % of their mean): it gets 4 more steps at a quarter of the budget.
+    assert ran[:2] == [("colocate", cfg.rollout.max_response_length, 9), ("colocate-short", short, 4)]
+    assert [r[0] for r in ran[2:]] == ["fully-async"]  # its tokens vary: its own fit separates the two costs
+    col, fa = prof.colocate, prof.fully_async
+    assert col.short_budget == short and fa.short_budget == 0 and len(col.trainer.samples) == 8 + 3
+    for run in (col, fa):
+        assert run.trainer.base_s == pytest.approx(base, rel=1e-6) and run.trainer.s_per_ktoken == pytest.approx(k, rel=1e-6)
+    text = plan_module._profile_text(prof)
+    assert f"fit over steps at response budgets {short} and the config's" in text
+
+
 def test_a_simulate_config_is_planned_from_its_section_with_gpu_splits(tmp_path, capsys):
     assert main(["--config", DAPO, "--steps", "4", "--seeds", "1", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
@@ -399,5 +437,12 @@ def test_a_short_profile_of_the_main_job_predicts_every_mode(tmp_path):
     assert "at context ~" in proc.stdout and "each the median of 1 difference)" in proc.stdout
     assert "prefill" in proc.stdout and "ms per request" in proc.stdout and "ms per prefill batch" in proc.stdout
     assert sum(len(g) for g in prof["colocate"]["lengths"]) == 4 * 16 * 8  # every consumed group of its 4 steps
+    # A run whose steps all trained on about as many tokens took 3 more at a quarter of the budget (65 // 4).
+    for key in ("colocate", "fully_async"):
+        run = prof[key]
+        assert run["short_budget"] in (0, 16)
+        assert len(run["trainer"]["samples"]) == 3 + (2 if run["short_budget"] else 0)
+    assert ("fit over steps at response budgets 16" in proc.stdout) == any(
+        prof[key]["short_budget"] for key in ("colocate", "fully_async"))
     assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
     assert "Recommended: " in proc.stdout and "engine on" in proc.stdout

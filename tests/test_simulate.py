@@ -10,7 +10,7 @@ import pytest
 from lightning_fasync.cli import main
 from lightning_fasync.config import load_config_file
 from lightning_fasync.pipeline.events import EVENTS, read_jsonl
-from lightning_fasync.simulate import SimConfig, Simulation, Variant, run_variants
+from lightning_fasync.simulate import RunReplay, SimConfig, Simulation, Variant, run_variants
 from tests.helpers.paths import REPO
 
 DAPO = os.path.join(REPO, "configs", "sim", "dapo_h20.yaml")
@@ -76,6 +76,31 @@ def test_trace_replay_and_event_log(tmp_path):
     assert {"dispatch", "complete", "collect", "consume", "pause", "resume", "sync"} <= {r["event"] for r in rows}
     assert all(r["R"] + r["Q"] <= 128 for r in rows)
     assert "| only |" in out.read_text()
+
+
+def test_a_replayed_run_hands_out_its_groups_in_the_order_it_consumed_them():
+    """The k-th group handed out is one of the ``spread`` around the run's k-th (past the run's end,
+    one of its last); a simulation replaying a run whose answers shrink has steps that shrink with them."""
+    run = [[k] * 2 for k in range(40)]
+    replay = RunReplay([run], spread=4, seed=3)
+    got = [replay.next()[0] for _ in range(50)]
+    window = lambda k: range(min(max(0, k - 2), 36), min(max(0, k - 2), 36) + 4)  # noqa: E731 (shifted in at the ends)
+    assert all(g in window(k) for k, g in enumerate(got)), got
+    assert got[:40] != list(range(40))  # drawn around the position, not the run copied
+    assert RunReplay([run], 4, 3).next() == [got[0]] * 2  # a seed's draws are its own
+    with pytest.raises(ValueError, match="spread is 0; it must be >= 1"):
+        RunReplay([run], 0, 0)
+    with pytest.raises(ValueError, match="at least one run"):
+        RunReplay([[]], 4, 0)
+
+    cfg, sim = dapo(steps=6)
+    sim.num_prompts = 2048
+    shrinking = [[2000] * cfg.N] * (3 * cfg.B) + [[100] * cfg.N] * (3 * cfg.B)
+    steps = Simulation(cfg, sim, replay=RunReplay([shrinking], cfg.B, 0)).run().step_metrics
+    means = [m["rollout/response_length_mean"] for m in steps]
+    assert means[0] > 1500 and means[-1] < 400, means  # early steps the long answers, late ones the short
+    with pytest.raises(ValueError, match="a trace or a replay of whole runs, not both"):
+        Simulation(cfg, sim, trace={0: [1] * cfg.N}, replay=RunReplay([shrinking], cfg.B, 0))
 
 
 def test_bad_trace_and_bad_override_are_clear_errors(tmp_path, capsys):
