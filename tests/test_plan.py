@@ -105,7 +105,7 @@ def test_a_profile_whose_steps_train_on_as_many_tokens_adds_steps_at_a_quarter_o
                       cfg.rollout.max_response_length)
         ran.append((name, budget, steps))
         per = cfg.B * cfg.N * budget
-        tokens = [per + (i * 997 % 3000 if name.startswith("fully-async") else i) for i in range(steps - 1)]
+        tokens = [per * (1 + i % 3) if name.startswith("fully-async") else per + i for i in range(steps - 1)]
         samples = [(t, seconds(t)) for t in tokens]
         return RunProfile(name, [1.0] * len(samples), fit_trainer(samples, calls_, threads), 0.01, 0.0, 0.0,
                           [[budget] * cfg.N])
@@ -114,7 +114,7 @@ def test_a_profile_whose_steps_train_on_as_many_tokens_adds_steps_at_a_quarter_o
     monkeypatch.setattr(plan_module, "_engine_curve", lambda *a, **kw: fit_curve([(1, 10.0), (4, 30.0), (16, 60.0)]))
     prof = plan_module.profile(fit, cfg, ns, steps=9)
     short = cfg.rollout.max_response_length // 4
-    # colocate's tokens barely vary (< 5 % of their mean): it gets 4 more steps at a quarter of the budget.
+    # colocate's tokens barely vary (under 15 % of their mean): it gets 4 more steps at a quarter of the budget.
     assert ran[:2] == [("colocate", cfg.rollout.max_response_length, 9), ("colocate-short", short, 4)]
     assert [r[0] for r in ran[2:]] == ["fully-async"]  # its tokens vary: its own fit separates the two costs
     col, fa = prof.colocate, prof.fully_async
