@@ -50,8 +50,7 @@ from lightning_fasync.config import ConfigError, FasyncConfig, validate, with_ov
 from lightning_fasync.simulate import ReplicaModel, RunReplay, SimConfig, Simulation, summarize
 
 __all__ = ["EngineCurve", "TrainerFit", "RunProfile", "Profile", "MODES", "batch_cost", "fit_curve", "fit_trainer",
-           "tokens_vary",
-           "load_profile", "predict", "main"]
+           "tokens_vary", "load_profile", "predict", "main"]
 
 _ABORT = {"rollout.partial": True, "rollout.weight_update_mode": "abort"}
 _KEEP = {"rollout.resume_kv": "keep"}

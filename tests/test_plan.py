@@ -204,6 +204,12 @@ def test_seeds_give_the_median_and_range_and_a_saved_profile_predicts_without_pr
     assert [r["config"] for r in plan["rows"]] == [name for name, _ in MODES]
     assert plan["profile"] == json.loads(saved.read_text())["profile"]
     assert f"the profile of {saved}" in capsys.readouterr().out
+    ledger = tmp_path / "ledger.jsonl"  # a whole earlier run whose answers shrink: replayed in its order
+    ledger.write_text("".join(json.dumps({"kind": "consume", "step": g // 16, "response_lengths": [60 if g < 32 else 6] * 8})
+                              + "\n" for g in range(64)))
+    assert main(["--config", fit_config, "--profile_from", str(saved), "--steps", "4", "--seeds", "1",
+                 "--lengths_from", str(ledger)]) == 0
+    assert f"replayed in the order they were consumed from 64 groups of {ledger}" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="`--seeds` is 0; it must be >= 1"):
         main(["--config", fit_config, "--seeds", "0"])
     with pytest.raises(ConfigError, match="`--profile_from` is given while .* has a `simulate:` section"):
