@@ -49,6 +49,29 @@ def test_a_normal_run_prints_in_a_fresh_directory_as_an_unprivileged_user_with_a
     assert second.output.strip() == "[]"  # a fresh directory per run
 
 
+def test_the_code_s_wall_clock_starts_once_the_sandbox_is_set_up(monkeypatch):
+    """A setup slower than ``wall_s`` (a loaded host) is not charged to the code, which has not run;
+    the code's own time still is."""
+    import time
+
+    import lightning_fasync.agents.sandbox as sandbox_module
+
+    real = sandbox_module._read_child_pid
+
+    def slow_setup(info_r, deadline):
+        time.sleep(1.5)  # longer than the wall_s below, nothing of the code running
+        return real(info_r, deadline)
+
+    monkeypatch.setattr(sandbox_module, "_read_child_pid", slow_setup)
+    box = Sandbox(dataclasses.replace(LIMITS, wall_s=1.0))
+    try:
+        assert (box.run_sync("print(6 * 7)").outcome, box.run_sync("print(6 * 7)").text) == ("ok", "42")
+        slept = box.run_sync("import time\ntime.sleep(5)")
+        assert slept.outcome != "ok" and "time limit" in slept.text, slept  # wall_s still bounds the code
+    finally:
+        box.close()
+
+
 def test_the_codes_own_error_is_its_result(sandbox):
     result = sandbox.run_sync("print('before')\n1 / 0")
     assert result.outcome == "error"
