@@ -78,7 +78,8 @@ class SandboxLimits:
     """CPU seconds per process of a run (RLIMIT_CPU); past it the run ends with "error: time limit exceeded"."""
     wall_s: float = 10.0
     """Wall-clock seconds per run, interpreter start included; past it every process of the run is killed
-    ("error: time limit exceeded")."""
+    ("error: time limit exceeded"). bubblewrap's setup of the sandbox, before the code may run, is
+    bounded apart (30 s)."""
     memory_mb: int = 256
     """Address space per process of a run in MiB (RLIMIT_AS); past it "error: memory limit exceeded"."""
     file_mb: int = 16
