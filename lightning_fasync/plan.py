@@ -521,7 +521,7 @@ def _replay(runs: list[list[list[int]]], n: int, step_groups: int, seed: int) ->
     usable = [[g for g in run if len(g) == n] for run in runs]
     if not any(usable):
         raise ValueError(f"The runs to replay consumed no complete group of {n} response lengths.")
-    return RunReplay(usable, max(1, step_groups), seed)
+    return RunReplay(usable, step_groups, seed)
 
 
 def read_lengths(paths: Sequence[str]) -> list[list[int]]:

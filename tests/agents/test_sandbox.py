@@ -65,7 +65,8 @@ def test_the_code_s_wall_clock_starts_once_the_sandbox_is_set_up(monkeypatch):
     monkeypatch.setattr(sandbox_module, "_read_child_pid", slow_setup)
     box = Sandbox(dataclasses.replace(LIMITS, wall_s=1.0))
     try:
-        assert (box.run_sync("print(6 * 7)").outcome, box.run_sync("print(6 * 7)").text) == ("ok", "42")
+        result = box.run_sync("print(6 * 7)")
+        assert (result.outcome, result.text) == ("ok", "42")
         slept = box.run_sync("import time\ntime.sleep(5)")
         assert slept.outcome != "ok" and "time limit" in slept.text, slept  # wall_s still bounds the code
     finally:
