@@ -77,7 +77,7 @@ def server_errors(root):
     """The vLLM server log's error lines (for a failed assertion's message)."""
     with open(os.path.join(run_dir(root), "vllm", "replica-0.log"), "rb") as f:
         lines = f.read().decode(errors="replace").splitlines()
-    return [ln for ln in lines if re.search(r"Error|Traceback|Exception|WARNING", ln)][-40:]
+    return [ln for ln in lines if re.search(r"ERROR|Traceback|Error:|Exception", ln)][-40:]
 
 
 def _pgid(pid):
