@@ -507,6 +507,15 @@ class RolloutConfig:
     weight_sync_bucket_mb: int = 512
     """The most MiB of weights per bucket (one broadcast, one serialised payload or one safetensors
     shard); a larger tensor goes alone. Bigger buckets mean fewer round trips and more memory held."""
+    check_weights: bool = False
+    """After every weight sync, hold each engine's log-probs of a fixed 16-token probe (SGLang's
+    ``/generate`` with ``return_logprob``; under the loaded adapter with ``weight_sync: adapter``)
+    against the pushed weights' own, one forward of the probe on the trainer: a difference beyond
+    the served dtype's tolerance (1e-3 in float32, 0.1 otherwise) fails the run naming the engine.
+    It checks what a rollout gets, the engine's repacked copies included. The embedded, sglang and
+    external backends; vLLM servers have ``rollout.vllm_args.check_weights``. Not with a sharded
+    trainer (its weights leave as a stream of gathered shards) nor with colocate offload (the
+    engines' KV cache comes back after the sync)."""
     engine_restart: EngineRestartConfig = field(default_factory=EngineRestartConfig)
     """Engine and router fault handling (the embedded engines and the vllm backend's servers)."""
     backend: str = "embedded"
@@ -615,6 +624,12 @@ class RolloutConfig:
         if self.weight_sync_bucket_mb <= 0:
             raise ConfigError(
                 f"`rollout.weight_sync_bucket_mb` is {self.weight_sync_bucket_mb}; it must be a positive number of MiB."
+            )
+        if self.check_weights and "vllm" in (self.backend, self.weight_sync):
+            key = "rollout.backend" if self.backend == "vllm" else "rollout.weight_sync"
+            raise ConfigError(
+                f"`rollout.check_weights` is true while `{key}` is vllm; vLLM servers are checked by "
+                "rollout.vllm_args.check_weights (on by default): leave rollout.check_weights false."
             )
         if self.max_response_length <= 0:
             raise ConfigError(f"`rollout.max_response_length` is {self.max_response_length}; it must be positive.")

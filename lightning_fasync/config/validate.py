@@ -19,7 +19,7 @@ __all__ = [
     "validate_backend",
     "import_plugins",
     "colocate_offload_enabled",
-    "check_frozen_tail_offload",
+    "check_offload",
     "validate",
 ]
 
@@ -89,16 +89,26 @@ def colocate_offload_enabled(cfg: FasyncConfig, device_type: str) -> bool:
     return cfg.colocate_offload is True
 
 
-def check_frozen_tail_offload(cfg: FasyncConfig, offload: bool) -> None:
-    """Refuse colocate offload (``offload``: resolved for the trainer's device, where the caller knows
-    it) with a frozen tail (colocate with ``weight_update_mode: inflight``): offloading hands the
-    engines' KV cache to the trainer, which the requests frozen through training still hold."""
-    if offload and not cfg.fully_async.enable and cfg.boundary_mode == "inflight":
+def check_offload(cfg: FasyncConfig, offload: bool) -> None:
+    """Refuse what colocate offload (``offload``: resolved for the trainer's device, where the caller
+    knows it) cannot do: a frozen tail (colocate with ``weight_update_mode: inflight``), as offloading
+    hands the engines' KV cache to the trainer, which the requests frozen through training still
+    hold; and ``rollout.check_weights``, whose probe is a request that needs that cache right after
+    the sync, before the engines take it back."""
+    if not offload:
+        return
+    if not cfg.fully_async.enable and cfg.boundary_mode == "inflight":
         value = "true" if cfg.colocate_offload is True else f"{cfg.colocate_offload}, on for a CUDA trainer,"
         raise ConfigError(
             f"`colocate_offload` is {value} while `rollout.weight_update_mode` is inflight; offloading hands the "
             "engines' KV cache to the trainer, which the requests frozen through training still hold: set "
             "colocate_offload: false, or weight_update_mode: abort."
+        )
+    if cfg.rollout.check_weights:
+        value = "true" if cfg.colocate_offload is True else f"{cfg.colocate_offload}, on for a CUDA trainer,"
+        raise ConfigError(
+            f"`colocate_offload` is {value} while `rollout.check_weights` is true; the check's probe is a request, "
+            "and the offloaded engines take their KV cache back only after the sync: set one of them false."
         )
 
 
@@ -185,7 +195,7 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
     offload = cfg.colocate_offload
     if offload not in (True, False, "auto"):
         raise ConfigError(f"`colocate_offload` is {offload!r}; it must be true, false or auto.")
-    check_frozen_tail_offload(cfg, offload is True)
+    check_offload(cfg, offload is True)
     if offload is True and (fa.enable or not cfg.colocate):
         on = "`fully_async.enable` is true" if fa.enable else "`colocate` is false"
         raise ConfigError(

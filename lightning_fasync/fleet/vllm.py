@@ -593,7 +593,8 @@ class VLLMPool(RolloutPool):
         from lightning_fasync.weights import wire as weight_wire
         from lightning_fasync.weights.lora_sync import DEFAULT_LORA_NAME
         from lightning_fasync.weights.sync import push_kept
-        from lightning_fasync.weights.vllm_sync import TOLERANCE, probe_reference, served_logprobs, worst_gap
+        from lightning_fasync.weights.probe import probe_reference, tolerance_for, worst_gap
+        from lightning_fasync.weights.vllm_sync import served_logprobs
 
         kept = self.weights
         await push_kept(kept, client, timeout_s=JOIN_TIMEOUT_S)  # the adapter path's own load
@@ -605,7 +606,7 @@ class VLLMPool(RolloutPool):
         served = await served_logprobs(client, url, ids, JOIN_TIMEOUT_S,
                                        model_name=vllm_lora_name(DEFAULT_LORA_NAME, kept.version))
         worst = worst_gap(served, reference)
-        tolerance = TOLERANCE.get(weight_wire.parse_dtype(self.args.dtype), 0.1)
+        tolerance = tolerance_for(weight_wire.parse_dtype(self.args.dtype))
         if not worst <= tolerance:
             raise EngineError(f"The restarted vLLM server {url} does not serve the trainer's adapter: its log-probs of "
                               f"the probe differ from the merged weights' by up to {worst:.3g} (tolerance {tolerance:g}).")

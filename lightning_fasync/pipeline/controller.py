@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol
 
-from lightning_fasync.config import FasyncConfig, check_frozen_tail_offload
+from lightning_fasync.config import FasyncConfig, check_offload
 from lightning_fasync.components import load_object
 from lightning_fasync.pipeline.collector import Collector
 from lightning_fasync.pipeline.datasource import DataSource
@@ -291,7 +291,7 @@ class FullyAsyncController:
         # Colocate with offload: the spec's five stages (ColocateHooks); fully-async runs none of them.
         self.offload = colocate_offload and self.colocate
         self._handed_to_train = False  # offload_rollout + onload_train ran this step
-        check_frozen_tail_offload(cfg, self.offload)
+        check_offload(cfg, self.offload)
         self._train_t0: Optional[float] = None
         self._in_boundary = False
         self._saved_step: Optional[int] = None

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from lightning_fasync.components import instantiate, load_object
-from lightning_fasync.config import ConfigError, DataSourceConfig, FasyncConfig, check_frozen_tail_offload
+from lightning_fasync.config import ConfigError, DataSourceConfig, FasyncConfig, check_offload
 from lightning_fasync.fleet.resources import ResourcePlan, pin_trainer
 from lightning_fasync.pipeline.controller import FullyAsyncController
 from lightning_fasync.pipeline.datasource import DataSource, ListDataSource
@@ -89,7 +89,7 @@ class RolloutRuntime:
     ) -> None:
         from lightning_fasync.weights.sync import resolve_weight_sync
 
-        check_frozen_tail_offload(cfg, colocate_offload)  # before any engine starts
+        check_offload(cfg, colocate_offload)  # before any engine starts
         if weight_sync is not None and weight_sync not in weight_sync_choices():
             raise ConfigError(f"`weight_sync` is {weight_sync!r}; it must be one of {', '.join(weight_sync_choices())}.")
         weight_sync = resolve_weight_sync(cfg, weight_sync)
@@ -507,8 +507,18 @@ class RolloutRuntime:
             # Kept only where a supervisor restarts replicas (the embedded pool).
             keep = getattr(self.pool, "supervisor", None) is not None
             path = WEIGHT_PATHS.get(self.weight_sync)
+            check_model = None
+            if self.cfg.rollout.check_weights:
+                if not self._engine_model:
+                    raise ConfigError(
+                        "`rollout.check_weights` is true, but the runtime was not given engine_model= (a preset or a "
+                        "local Hugging Face directory): the check computes the probe's log-probs with the policy's "
+                        "architecture. Pass it, or set rollout.check_weights false."
+                    )
+                check_model = self._engine_model
             self._sync = make_weight_sync(
-                self.weight_sync, client, **(path.options(self.cfg, self._engine_model) if path.options is not None else {}),
+                self.weight_sync, client, check_model=check_model,
+                **(path.options(self.cfg, self._engine_model) if path.options is not None else {}),
                 bucket_bytes=self.cfg.rollout.weight_sync_bucket_mb * 2**20,
                 timeout_s=self.admin_timeout, keep=keep,
                 work_dir=os.path.join(self.log_dir, "weights") if self.log_dir else None,

@@ -120,6 +120,16 @@ class AdapterWeightSync(WeightSync):
             for directory in written.values():  # every engine has read it (or failed)
                 shutil.rmtree(directory, ignore_errors=True)
 
+    def served_tensors(self, named_tensors: Any) -> Mapping[str, torch.Tensor]:
+        """The base with the pushed adapter merged (what an engine serves once it loaded it)."""
+        if named_tensors.base is None:
+            raise WeightSyncError("`rollout.check_weights` needs the adapter's base weights (AdapterWeights.base), "
+                                  "which this trainer did not give; set it false.")
+        return merged_weights(named_tensors.base, named_tensors.config, named_tensors)
+
+    def probe_lora_name(self) -> Optional[str]:
+        return self.lora_name
+
     def _keep(self, staged: Any, version: int) -> Optional[KeptWeights]:
         if not self.keep:
             return None

@@ -127,6 +127,10 @@ class WeightSync(abc.ABC):
             engines idle).
         keep: return the pushed weights as :class:`KeptWeights` (a pool that restarts replicas).
         work_dir: where ``disk`` writes its directories (default: the system's temp dir).
+        check_model: the policy the engines serve (a preset or a Hugging Face directory): after every
+            push, each serving engine's log-probs of a fixed probe are held against the pushed
+            weights' own, computed here (``rollout.check_weights``; :mod:`~lightning_fasync.weights.probe`).
+            None: no check.
     """
 
     kind: ClassVar[str]
@@ -135,7 +139,7 @@ class WeightSync(abc.ABC):
 
     def __init__(self, client: Any, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0,
                  timeout_key: str = "admin_timeout", pause_mode: Optional[str] = "abort", keep: bool = False,
-                 work_dir: Optional[str] = None) -> None:
+                 work_dir: Optional[str] = None, check_model: Optional[str] = None) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes is {bucket_bytes}; it must be positive.")
         self.client = client
@@ -149,6 +153,7 @@ class WeightSync(abc.ABC):
         self.set_pause_mode(pause_mode)
         self.keep = keep
         self.work_dir = work_dir
+        self.check_model = check_model
         self.closed = False
         self._tp: dict[str, int] = {}  # engine URL -> its TP size (from /get_server_info)
 
@@ -195,17 +200,81 @@ class WeightSync(abc.ABC):
         if self.closed:
             raise RuntimeError("This WeightSync is closed.")
         where = _where(version, step)
+        if self.check_model is not None and isinstance(named_tensors, (TensorStream, _Streamed)):
+            raise WeightSyncError(
+                f"The weight sync of {where}: `rollout.check_weights` holds the engines' log-probs against the pushed "
+                "tensors', and this trainer pushes a stream of gathered shards that is gone once sent; set it false "
+                "with a sharded trainer.")
         named_tensors = self._streamed(named_tensors, where)
         self._discard(None)
         staged = await self._stage(named_tensors, version)
         try:
             await self._deliver(staged, version, where)
+            if self.check_model is not None:
+                await self.check_served(named_tensors, where)
         except BaseException:
             self._discard(staged)
             raise
         finally:
             await self.rpc.close()  # its connections belong to this event loop
         return self._keep(staged, version)
+
+    # ------------------------------------------------------------------ the check (rollout.check_weights)
+
+    def served_tensors(self, named_tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """What every engine serves after a push of ``named_tensors`` (Hugging Face names): the tensors
+        themselves (the adapter path: the base with the adapter merged)."""
+        return named_tensors
+
+    async def check_served(self, named_tensors: Mapping[str, torch.Tensor], where: str) -> None:
+        """Every serving engine's log-probs of the probe against those of ``served_tensors(named_tensors)``
+        under ``check_model`` (:mod:`~lightning_fasync.weights.probe`), within the tolerance of their dtype.
+
+        Raises:
+            WeightSyncError: an engine computes other log-probs, gives none, or the pushed tensors do not
+                cover the policy (each message names the engine or the key).
+        """
+        from lightning_fasync.weights.probe import probe_reference, sglang_served_logprobs, tolerance_for, worst_gap
+
+        assert self.check_model is not None
+        served_tensors = await asyncio.to_thread(self.served_tensors, named_tensors)
+        probe = await probe_reference(self.check_model, served_tensors)
+        if probe is None:
+            raise WeightSyncError(
+                f"The weight sync of {where}: `rollout.check_weights` cannot compute the probe's log-probs from the "
+                f"pushed tensors, which do not cover the policy {self.check_model!r}; set it false.")
+        ids, reference = probe
+        pushed = next(t.dtype for n, t in served_tensors.items() if n.endswith("embed_tokens.weight"))
+
+        async def served_by(url: str) -> tuple[list[float], float]:
+            # The engine's own dtype (``/server_info``): one serving a lower precision is held to its tolerance.
+            info = await self.rpc._request("GET", url + "/server_info", timeout=self.timeout_s, missing_ok=True)
+            try:
+                dtype = weight_wire.parse_dtype(info.get("dtype") if isinstance(info, dict) else None)
+            except ValueError:  # not said, or "auto"
+                dtype = None
+            logprobs = await sglang_served_logprobs(self.rpc, url, ids, self.timeout_s, lora_name=self.probe_lora_name())
+            return logprobs, max(tolerance_for(pushed), tolerance_for(dtype))
+
+        for url in list(self.client.worker_urls):
+            try:
+                answer = await self.client._on_worker(url, served_by(url))
+            except (EngineError, KeyError, IndexError, TypeError, ValueError) as exc:
+                raise WeightSyncError(f"The weight sync of {where}: {url} did not give the probe's log-probs "
+                                      f"(`rollout.check_weights`): {exc!r}") from exc
+            if answer is SKIPPED:
+                continue
+            served, tolerance = answer
+            worst = worst_gap(served, reference)
+            if not worst <= tolerance:
+                raise WeightSyncError(
+                    f"The weight sync of {where}: the engine {url} does not serve the pushed weights: its log-probs of a "
+                    f"{len(ids)}-token probe differ from theirs by up to {worst:.3g} (tolerance {tolerance:g}, "
+                    "`rollout.check_weights`).")
+
+    def probe_lora_name(self) -> Optional[str]:
+        """The adapter the probe is served under (SGLang's ``lora_path``); None: the served model."""
+        return None
 
     def _streamed(self, named_tensors: Any, where: str) -> Any:
         """A :class:`TensorStream` as its :class:`_Streamed` buckets; anything else as it is."""

@@ -33,6 +33,7 @@ from lightning_fasync.pipeline.engine_client import SKIPPED, EngineError
 from lightning_fasync.registry import WeightPath
 from lightning_fasync.weights import wire as weight_wire
 from lightning_fasync.weights.group import DistributedWeightSync
+from lightning_fasync.weights.probe import probe_reference, tolerance_for, worst_gap
 from lightning_fasync.weights.sync import Bucket, WeightSyncError, _label
 
 VLLM_PAUSE_MODES = {"abort": "mode=abort", "in_place": "mode=keep&clear_cache=false",
@@ -41,62 +42,6 @@ VLLM_PAUSE_MODES = {"abort": "mode=abort", "in_place": "mode=keep&clear_cache=fa
 requests; with ``clear_cache`` (its default) the engine then resets its prefix cache with
 ``reset_running_requests``, which preempts them: their KV is recomputed on resume (SGLang's
 ``retract``). Only ``clear_cache=false`` keeps it (``in_place``)."""
-
-PROBE_TOKENS = 16
-"""Tokens of the probe whose log-probs the check compares (:func:`probe_ids`)."""
-
-TOLERANCE = {torch.float32: 1e-3}
-"""The largest difference of a probe token's log-prob the check accepts, per served dtype (0.1 for
-half precisions: the server computes in them, the reference in the trainer's dtype)."""
-
-
-def probe_ids(vocab_size: int, n: int = PROBE_TOKENS) -> list[int]:
-    """A fixed sequence of ``n`` token ids spread over the vocabulary (the same on every run)."""
-    return [(7919 * (i + 1)) % vocab_size for i in range(n)]
-
-
-def reference_logprobs(model: str, named: Mapping[str, torch.Tensor], ids: Sequence[int]) -> Optional[list[float]]:
-    """The log-probs of ``ids[1:]`` after their prefixes under the policy ``model`` (a preset or a
-    Hugging Face directory) holding ``named``: the model built on the meta device and given the
-    tensors themselves (no copy), its rotary tables computed. None when ``named`` does not cover its
-    parameters or a buffer cannot be computed (an architecture without ``model.rotary_emb``)."""
-    from lightning_fasync.policy import policy_skeleton
-
-    skeleton, _ = policy_skeleton(model, "model.model")
-    try:
-        skeleton.load_state_dict(dict(named), strict=False, assign=True)
-    except (RuntimeError, ValueError):
-        return None
-    if getattr(skeleton.config, "tie_word_embeddings", False):
-        skeleton.tie_weights()
-    device = next(iter(named.values())).device
-    rotary = getattr(getattr(skeleton, "model", None), "rotary_emb", None)
-    if rotary is not None:
-        with torch.device(device):
-            skeleton.model.rotary_emb = type(rotary)(config=skeleton.config)
-    if any(t.is_meta for t in (*skeleton.parameters(), *skeleton.buffers())):
-        return None
-    with torch.no_grad():
-        logits = skeleton(torch.tensor([list(ids)], device=device)).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
-
-
-async def probe_reference(model: str, named: Mapping[str, torch.Tensor]) -> Optional[tuple[list[int], list[float]]]:
-    """The probe's token ids and its log-probs under ``model`` holding ``named`` (the reference a
-    server's are held against), None when the tensors give no vocabulary or do not cover the model."""
-    embed = next((t for n, t in named.items() if n.endswith("embed_tokens.weight")), None)
-    if embed is None:
-        return None
-    ids = probe_ids(int(embed.shape[0]))
-    reference = await asyncio.to_thread(reference_logprobs, model, named, ids)
-    return None if reference is None else (ids, reference)
-
-
-def worst_gap(served: Sequence[float], reference: Sequence[float]) -> float:
-    """The largest difference of a probe token's log-prob between a server and the reference."""
-    return max(abs(a - b) for a, b in zip(served, reference))
-
 
 async def served_logprobs(client: Any, url: str, ids: Sequence[int], timeout_s: float,
                           model_name: Optional[str] = None) -> list[float]:
@@ -223,7 +168,7 @@ class VLLMWeightSync(DistributedWeightSync):
         if probe is None:
             return
         ids, reference = probe
-        tolerance = TOLERANCE.get(self.dtype, 0.1)
+        tolerance = tolerance_for(self.dtype)
         for url in list(self.members):
             try:
                 served = await self.client._on_worker(url, served_logprobs(self.rpc, url, ids, self.timeout_s))
