@@ -512,7 +512,8 @@ class RolloutConfig:
     ``/generate`` with ``return_logprob``; under the loaded adapter with ``weight_sync: adapter``)
     against the pushed weights' own, one forward of the probe on the trainer: a difference beyond
     the served dtype's tolerance (1e-3 in float32, 0.1 otherwise) fails the run naming the engine.
-    It checks what a rollout gets, the engine's repacked copies included. The embedded, sglang and
+    It reaches the servers' prompt log-probs (on the embedded engine, a forward of its Hugging Face
+    parameters; docs/weight_sync.md). The embedded, sglang and
     external backends; vLLM servers have ``rollout.vllm_args.check_weights``. Not with a sharded
     trainer (its weights leave as a stream of gathered shards) nor with colocate offload (the
     engines' KV cache comes back after the sync)."""

@@ -229,6 +229,8 @@ class RolloutRuntime:
             self.controller = FullyAsyncController(cfg, datasource, flow, client, log_dir=log_dir, evaluator=evaluator,
                                                    colocate_offload=colocate_offload)
             self.controller.metric_sources.append(self.reward_runner.metrics)
+            if cfg.rollout.check_weights:
+                self.controller.metric_sources.append(self._check_metrics)
             if callable(getattr(flow, "metrics", None)):  # e.g. ToolAgentFlow's agent/* counts
                 self.controller.metric_sources.append(flow.metrics)
             if self.pool is not None and backend.supervised:  # nobody restarts the others' servers
@@ -490,6 +492,12 @@ class RolloutRuntime:
             await sync.rpc.close()
         if kept is not None:
             self.pool.keep_weights(kept)
+
+    def _check_metrics(self) -> dict[str, float]:
+        """``weights/check_gap``: the last checked push's largest log-prob difference of the probe over
+        the engines (``rollout.check_weights``; read at the boundary, before this step's push)."""
+        gap = getattr(self._sync, "last_check_gap", None)
+        return {} if gap is None else {"weights/check_gap": float(gap)}
 
     def _weight_sync(self) -> Any:
         """The :class:`~lightning_fasync.weights.sync.WeightSync` of ``weight_sync`` (built

@@ -1,9 +1,11 @@
 """A check that a server serves the weights just pushed: its log-probs of a fixed probe against the
 same log-probs computed on the trainer from the pushed tensors.
 
-A digest of the server's parameters (SGLang's ``/weights_checker``) shows what it loaded, not what
-it serves: servers repack some parameters (fused q|k|v, folded norms), and a stale repacked copy
-would still compute yesterday's numbers. The probe is a request, so it checks what a rollout gets.
+The probe is a request: it checks what the server's forward computes, not a digest of what it
+loaded (servers repack some parameters, so their ``/weights_checker`` digests are not the
+trainer's). What it reaches is the prompt log-probs: on SGLang and vLLM the forward that serves; on
+the embedded engine a plain forward of its Hugging Face parameters (every update writes those, then
+rebuilds its fused decode copies from them), so there it covers what the engine loaded.
 ``rollout.vllm_args.check_weights`` runs it after every vLLM push (``/v1/completions`` with
 ``prompt_logprobs``), ``rollout.check_weights`` after every push to the embedded engine (SGLang's
 ``/generate`` with ``return_logprob`` and ``logprob_start_len: 0``; under the loaded adapter for

@@ -154,6 +154,8 @@ class WeightSync(abc.ABC):
         self.keep = keep
         self.work_dir = work_dir
         self.check_model = check_model
+        self.last_check_gap: Optional[float] = None
+        """The largest log-prob difference of the last checked push over its engines (``check_model``)."""
         self.closed = False
         self._tp: dict[str, int] = {}  # engine URL -> its TP size (from /get_server_info)
 
@@ -256,6 +258,7 @@ class WeightSync(abc.ABC):
             logprobs = await sglang_served_logprobs(self.rpc, url, ids, self.timeout_s, lora_name=self.probe_lora_name())
             return logprobs, max(tolerance_for(pushed), tolerance_for(dtype))
 
+        gaps = []
         for url in list(self.client.worker_urls):
             try:
                 answer = await self.client._on_worker(url, served_by(url))
@@ -266,11 +269,13 @@ class WeightSync(abc.ABC):
                 continue
             served, tolerance = answer
             worst = worst_gap(served, reference)
+            gaps.append(worst)
             if not worst <= tolerance:
                 raise WeightSyncError(
                     f"The weight sync of {where}: the engine {url} does not serve the pushed weights: its log-probs of a "
                     f"{len(ids)}-token probe differ from theirs by up to {worst:.3g} (tolerance {tolerance:g}, "
                     "`rollout.check_weights`).")
+        self.last_check_gap = max(gaps) if gaps else None
 
     def probe_lora_name(self) -> Optional[str]:
         """The adapter the probe is served under (SGLang's ``lora_path``); None: the served model."""

@@ -79,6 +79,9 @@ def test_the_main_job_learns_with_lora_adapters_over_the_adapter_path(tmp_path):
         reports.append(describe(seed, scalars, proc))
         warnings.warn("the LoRA run did not learn:\n" + reports[-1])
     assert len(reports) < len(seeds), "\n".join(reports)
+    # Every step's metrics name the last checked push's largest probe gap: each push was checked.
+    gaps = [v for _, v in scalars["weights/check_gap"]]
+    assert len(gaps) == steps and max(gaps) < 1e-3, gaps
 
     last_ckpt = os.path.join(log_dir, "checkpoints", "last.ckpt")
     ckpt = torch.load(last_ckpt, weights_only=True, map_location="cpu")

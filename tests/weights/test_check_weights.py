@@ -5,6 +5,10 @@ engine that serves other weights (an update it dropped, another adapter) fails i
 engine; what the check cannot do is refused naming the key."""
 
 import copy
+import glob
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from lightning_fasync.weights.probe import probe_ids, sglang_served_logprobs
 from lightning_fasync.weights.sync import TensorWeightSync, WeightSyncError
 from lightning_fasync.weights.tensor_stream import TensorStream
 from tests.helpers.engine import serve
+from tests.helpers.paths import REPO
 
 LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj", "lm_head"], "sync": "adapter"}
 
@@ -43,6 +48,7 @@ def test_a_checked_push_passes_and_an_engine_serving_other_weights_fails_naming_
         dropped = DroppedUpdate(SGLangClient([url]), check_model="tiny")
         try:
             await sync.push(w1, 1, step=0)  # served: the check passes
+            assert 0 <= sync.last_check_gap < 1e-3
             # The served log-probs are the reference's, within float32's tolerance.
             ids = probe_ids(int(w1["model.embed_tokens.weight"].shape[0]))
             served = await sglang_served_logprobs(sync.client, url, ids, 30.0)
@@ -125,3 +131,21 @@ def test_the_config_refuses_check_weights_with_vllm_servers_and_with_colocate_of
     cfg.colocate, cfg.fully_async.enable, cfg.colocate_offload = True, False, True
     with pytest.raises(ConfigError, match="`colocate_offload` is true while `rollout.check_weights` is true"):
         validate(cfg)
+
+
+@pytest.mark.slow
+def test_a_fit_checks_every_push_and_logs_the_gap(tmp_path):
+    """The main job's default path (``tensor``) with the check on, through the real CLI and an engine
+    process: every step logs the last checked push's largest probe gap, within float32's tolerance."""
+    from lightning_fasync.plots import read_scalars
+
+    steps = 3
+    proc = subprocess.run([sys.executable, "-m", "lightning_fasync.cli", "fit", "--config", "configs/tiny_cpu.yaml",
+                           f"--trainer.default_root_dir={tmp_path}", f"--trainer.rollout_steps={steps}",
+                           "--trainer.enable_progress_bar=false", "--rollout.check_weights=true"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "weight sync `tensor`" in proc.stderr
+    (log_dir,) = glob.glob(os.path.join(tmp_path, "lightning_logs", "version_*"))
+    gaps = [v for _, v in read_scalars(log_dir)["weights/check_gap"]]
+    assert len(gaps) == steps and all(0 <= g < 1e-3 for g in gaps), gaps
