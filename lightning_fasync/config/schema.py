@@ -513,10 +513,9 @@ class RolloutConfig:
     against the pushed weights' own, one forward of the probe on the trainer: a difference beyond
     the served dtype's tolerance (1e-3 in float32, 0.1 otherwise) fails the run naming the engine.
     It reaches the servers' prompt log-probs (on the embedded engine, a forward of its Hugging Face
-    parameters; docs/weight_sync.md). The embedded, sglang and
-    external backends; vLLM servers have ``rollout.vllm_args.check_weights``. Not with a sharded
-    trainer (its weights leave as a stream of gathered shards) nor with colocate offload (the
-    engines' KV cache comes back after the sync)."""
+    parameters; docs/weight_sync.md). The embedded, sglang and external backends; vLLM servers have
+    ``rollout.vllm_args.check_weights``. Not with a sharded trainer (its weights leave as a stream
+    of gathered shards) nor with colocate offload (the engines' KV cache comes back after the sync)."""
     engine_restart: EngineRestartConfig = field(default_factory=EngineRestartConfig)
     """Engine and router fault handling (the embedded engines and the vllm backend's servers)."""
     backend: str = "embedded"

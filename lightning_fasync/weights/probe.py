@@ -7,9 +7,9 @@ trainer's). What it reaches is the prompt log-probs: on SGLang and vLLM the forw
 the embedded engine a plain forward of its Hugging Face parameters (every update writes those, then
 rebuilds its fused decode copies from them), so there it covers what the engine loaded.
 ``rollout.vllm_args.check_weights`` runs it after every vLLM push (``/v1/completions`` with
-``prompt_logprobs``), ``rollout.check_weights`` after every push to the embedded engine (SGLang's
-``/generate`` with ``return_logprob`` and ``logprob_start_len: 0``; under the loaded adapter for
-``rollout.weight_sync: adapter``).
+``prompt_logprobs``), ``rollout.check_weights`` after every push to the embedded, SGLang or
+external engines (SGLang's ``/generate`` with ``return_logprob`` and ``logprob_start_len: 0``; under
+the loaded adapter for ``rollout.weight_sync: adapter``).
 """
 
 from __future__ import annotations
