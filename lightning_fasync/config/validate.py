@@ -97,15 +97,14 @@ def check_offload(cfg: FasyncConfig, offload: bool) -> None:
     the sync, before the engines take it back."""
     if not offload:
         return
+    value = "true" if cfg.colocate_offload is True else f"{cfg.colocate_offload}, on for a CUDA trainer,"
     if not cfg.fully_async.enable and cfg.boundary_mode == "inflight":
-        value = "true" if cfg.colocate_offload is True else f"{cfg.colocate_offload}, on for a CUDA trainer,"
         raise ConfigError(
             f"`colocate_offload` is {value} while `rollout.weight_update_mode` is inflight; offloading hands the "
             "engines' KV cache to the trainer, which the requests frozen through training still hold: set "
             "colocate_offload: false, or weight_update_mode: abort."
         )
     if cfg.rollout.check_weights:
-        value = "true" if cfg.colocate_offload is True else f"{cfg.colocate_offload}, on for a CUDA trainer,"
         raise ConfigError(
             f"`colocate_offload` is {value} while `rollout.check_weights` is true; the check's probe is a request, "
             "and the offloaded engines take their KV cache back only after the sync: set one of them false."

@@ -213,7 +213,7 @@ class WeightSync(abc.ABC):
         try:
             await self._deliver(staged, version, where)
             if self.check_model is not None:
-                await self.check_served(named_tensors, where)
+                await self.check_pushed(named_tensors, where)
         except BaseException:
             self._discard(staged)
             raise
@@ -228,7 +228,7 @@ class WeightSync(abc.ABC):
         themselves (the adapter path: the base with the adapter merged)."""
         return named_tensors
 
-    async def check_served(self, named_tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    async def check_pushed(self, named_tensors: Mapping[str, torch.Tensor], where: str) -> None:
         """Every serving engine's log-probs of the probe against those of ``served_tensors(named_tensors)``
         under ``check_model`` (:mod:`~lightning_fasync.weights.probe`), within the tolerance of their dtype.
 
@@ -236,7 +236,7 @@ class WeightSync(abc.ABC):
             WeightSyncError: an engine computes other log-probs, gives none, or the pushed tensors do not
                 cover the policy (each message names the engine or the key).
         """
-        from lightning_fasync.weights.probe import probe_reference, sglang_served_logprobs, tolerance_for, worst_gap
+        from lightning_fasync.weights.probe import probe_reference, sglang_served_logprobs, tolerance_for
 
         assert self.check_model is not None
         served_tensors = await asyncio.to_thread(self.served_tensors, named_tensors)
@@ -258,24 +258,44 @@ class WeightSync(abc.ABC):
             logprobs = await sglang_served_logprobs(self.rpc, url, ids, self.timeout_s, lora_name=self.probe_lora_name())
             return logprobs, max(tolerance_for(pushed), tolerance_for(dtype))
 
+        gaps = await self.hold_probe(
+            list(self.client.worker_urls), served_by, reference, where, "`rollout.check_weights`",
+            lambda url, worst, tolerance: f"the engine {url} does not serve the pushed weights: its log-probs of a "
+                                          f"{len(ids)}-token probe differ from theirs by up to {worst:.3g} (tolerance "
+                                          f"{tolerance:g}, `rollout.check_weights`)")
+        self.last_check_gap = max(gaps) if gaps else None
+
+    async def hold_probe(self, urls: Sequence[str], served_by: Callable[[str], Awaitable[tuple[list[float], float]]],
+                         reference: Sequence[float], where: str, key: str,
+                         mismatch: Callable[[str, float, float], str]) -> list[float]:
+        """Each of ``urls``' log-probs of the probe (``served_by(url)``: them and their tolerance) against
+        ``reference``; one that leaves the serving set meanwhile is passed over. The one loop of both
+        checks (``rollout.check_weights`` here, ``rollout.vllm_args.check_weights`` in vllm_sync).
+
+        Returns:
+            The largest difference of each server checked.
+
+        Raises:
+            WeightSyncError: a server gave no log-probs (naming ``key``), or ones further than its
+                tolerance from ``reference`` (``mismatch(url, worst, tolerance)`` says how).
+        """
+        from lightning_fasync.weights.probe import worst_gap
+
         gaps = []
-        for url in list(self.client.worker_urls):
+        for url in urls:
             try:
                 answer = await self.client._on_worker(url, served_by(url))
             except (EngineError, KeyError, IndexError, TypeError, ValueError) as exc:
-                raise WeightSyncError(f"The weight sync of {where}: {url} did not give the probe's log-probs "
-                                      f"(`rollout.check_weights`): {exc!r}") from exc
+                raise WeightSyncError(f"The weight sync of {where}: {url} did not give the probe's log-probs ({key}): "
+                                      f"{exc!r}") from exc
             if answer is SKIPPED:
                 continue
             served, tolerance = answer
             worst = worst_gap(served, reference)
             gaps.append(worst)
             if not worst <= tolerance:
-                raise WeightSyncError(
-                    f"The weight sync of {where}: the engine {url} does not serve the pushed weights: its log-probs of a "
-                    f"{len(ids)}-token probe differ from theirs by up to {worst:.3g} (tolerance {tolerance:g}, "
-                    "`rollout.check_weights`).")
-        self.last_check_gap = max(gaps) if gaps else None
+                raise WeightSyncError(f"The weight sync of {where}: {mismatch(url, worst, tolerance)}.")
+        return gaps
 
     def probe_lora_name(self) -> Optional[str]:
         """The adapter the probe is served under (SGLang's ``lora_path``); None: the served model."""

@@ -33,7 +33,7 @@ from lightning_fasync.pipeline.engine_client import SKIPPED, EngineError
 from lightning_fasync.registry import WeightPath
 from lightning_fasync.weights import wire as weight_wire
 from lightning_fasync.weights.group import DistributedWeightSync
-from lightning_fasync.weights.probe import probe_reference, tolerance_for, worst_gap
+from lightning_fasync.weights.probe import probe_reference, tolerance_for
 from lightning_fasync.weights.sync import Bucket, WeightSyncError, _label
 
 VLLM_PAUSE_MODES = {"abort": "mode=abort", "in_place": "mode=keep&clear_cache=false",
@@ -169,20 +169,15 @@ class VLLMWeightSync(DistributedWeightSync):
             return
         ids, reference = probe
         tolerance = tolerance_for(self.dtype)
-        for url in list(self.members):
-            try:
-                served = await self.client._on_worker(url, served_logprobs(self.rpc, url, ids, self.timeout_s))
-            except (EngineError, KeyError, IndexError, TypeError) as exc:
-                raise WeightSyncError(f"The weight sync of {where}: {url} did not give the probe's log-probs: {exc!r}") from exc
-            if served is SKIPPED:
-                continue
-            worst = worst_gap(served, reference)
-            if not worst <= tolerance:
-                raise WeightSyncError(
-                    f"The weight sync of {where}: the server {url} does not hold the trainer's weights: its log-probs "
-                    f"of a {len(ids)}-token probe differ from the pushed weights' by up to {worst:.3g} (tolerance "
-                    f"{tolerance:g}, served as {self.dtype})."
-                )
+
+        async def served_by(url: str) -> tuple[list[float], float]:
+            return await served_logprobs(self.rpc, url, ids, self.timeout_s), tolerance
+
+        await self.hold_probe(
+            list(self.members), served_by, reference, where, "`rollout.vllm_args.check_weights`",
+            lambda url, worst, tol: f"the server {url} does not hold the trainer's weights: its log-probs of a "
+                                    f"{len(ids)}-token probe differ from the pushed weights' by up to {worst:.3g} "
+                                    f"(tolerance {tol:g}, served as {self.dtype})")
 
 
 def check_vllm_path(cfg: Any) -> None:

@@ -60,7 +60,7 @@ def test_a_checked_push_passes_and_an_engine_serving_other_weights_fails_naming_
             with pytest.raises(WeightSyncError, match=rf"The weight sync of step 1: the engine {url} does not serve "
                                                       r"the pushed weights.*tolerance 0\.001, `rollout\.check_weights`"):
                 await dropped.push(w2, 2, step=1)
-            await sync.check_served(w1, "weight version 1")  # the engine still serves w1
+            await sync.check_pushed(w1, "weight version 1")  # the engine still serves w1
         finally:
             await sync.close()
             await dropped.close()
@@ -85,10 +85,10 @@ def test_the_adapter_path_checks_the_base_with_the_adapter_merged():
         try:
             await sync.push(ours, 1)  # the probe names the adapter (lora_path) and passes
             with pytest.raises(WeightSyncError, match="does not serve the pushed weights"):
-                await sync.check_served(other, "weight version 2")
+                await sync.check_pushed(other, "weight version 2")
             no_base = type(ours)(dict(ours), ours.config)
             with pytest.raises(WeightSyncError, match="needs the adapter's base weights"):
-                await sync.check_served(no_base, "weight version 2")
+                await sync.check_pushed(no_base, "weight version 2")
         finally:
             await sync.close()
 
@@ -106,7 +106,7 @@ def test_a_stream_and_a_model_the_tensors_do_not_cover_are_refused_naming_the_ke
                 await sync.push(TensorStream.from_mapping(weights), 1)
             partial = {k: v for k, v in weights.items() if "layers.0." not in k}
             with pytest.raises(WeightSyncError, match="do not cover the policy 'tiny'; set it false"):
-                await sync.check_served(partial, "weight version 1")
+                await sync.check_pushed(partial, "weight version 1")
         finally:
             await sync.close()
 
