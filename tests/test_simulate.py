@@ -57,6 +57,7 @@ def test_deterministic_for_a_seed():
 def test_consumes_exactly_b_groups_per_step():
     cfg, sim = dapo(steps=5)
     run = Simulation(cfg, sim).run()
+    assert len(run.step_metrics) == 5
     assert all(m["rollout/consumed_groups"] == cfg.B for m in run.step_metrics)
     assert len(run.step_times) == 5 and all(t > 0 for t in run.step_times)
 
@@ -76,6 +77,17 @@ def test_trace_replay_and_event_log(tmp_path):
     assert {"dispatch", "complete", "collect", "consume", "pause", "resume", "sync"} <= {r["event"] for r in rows}
     assert all(r["R"] + r["Q"] <= 128 for r in rows)
     assert "| only |" in out.read_text()
+    # The trace drove the run: its answers (100 to 999 tokens, against the config's log-normal up to
+    # 20480) make the steps shorter than the same command's without it.
+    plain = tmp_path / "plain.md"
+    assert main(["simulate", "--config", DAPO, "--output", str(plain),
+                 "--steps", "3", "--simulate.variants", "[{name: only, overrides: {}}]"]) == 0
+
+    def avg_step(path):
+        row = next(r for r in path.read_text().splitlines() if r.startswith("| only |"))
+        return float(row.split("|")[3])
+
+    assert avg_step(out) < avg_step(plain)
 
 
 def test_a_replayed_run_hands_out_its_groups_in_the_order_it_consumed_them():

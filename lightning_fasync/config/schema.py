@@ -142,7 +142,8 @@ class DataSourceConfig:
     """``data_source.*``: one prompt source."""
 
     name: str = "default"
-    """Name of the source (used in logs)."""
+    """Name of the source: an eval set's metrics go under ``val/<name>/``; the training source's is
+    recorded with the run's settings in its checkpoints."""
     num_prompts_per_step: int = 64
     """B: prompt groups consumed per training step; the sliding window's base batch size."""
     num_trajectories_per_prompt: int = 8
@@ -176,16 +177,17 @@ class DataSourceConfig:
     """Prompts from local files instead of ``task``: a parquet, jsonl or json file, or a directory
     of them, read with Hugging Face ``datasets`` (no hub access)."""
     format: Optional[str] = None
-    """``parquet``, ``json`` (also jsonl); None: from the file extension."""
+    """``parquet``, ``json`` (also jsonl) for the files at ``path``; None: from the file extension."""
     prompt_key: str = "prompt"
-    """Dotted path of the prompt in each record: a string, or a chat message list."""
+    """Dotted path of the prompt in each record of the files at ``path``: a string, or a chat message list."""
     answer_key: Optional[str] = None
     """Dotted path of the ground truth in each record (e.g. ``reward_model.ground_truth``), handed
     to the reward as ``sample.metadata["answer"]``."""
     system_prompt: Optional[str] = None
-    """A system message put before each prompt."""
+    """A system message put before each prompt read from ``path``."""
     max_prompt_length: Optional[int] = None
-    """Drop prompts longer than this many tokens after the chat template (the count is printed)."""
+    """Drop prompts read from ``path`` longer than this many tokens after the chat template (the count
+    is printed)."""
 
     def check(self, key: str = "data_source", for_eval: bool = False) -> None:
         """Refuse what this source cannot be (``key`` names it: ``data_source``, ``eval.data_source[i]``).
@@ -212,6 +214,25 @@ class DataSourceConfig:
             )
         if self.max_prompt_length is not None and self.max_prompt_length <= 0:
             raise ConfigError(f"`{key}.max_prompt_length` is {self.max_prompt_length}; it must be a positive integer or null.")
+        default = DataSourceConfig()
+        if not self.path:
+            for name in FILE_ONLY_KEYS:
+                if getattr(self, name) != getattr(default, name):
+                    raise ConfigError(
+                        f"`{key}.{name}` is {getattr(self, name)!r} but `{key}.path` is not set; it applies only to "
+                        f"prompts read from files (a task or a datasource makes its own): set `{key}.path` or remove it."
+                    )
+        if for_eval:
+            for name in ("num_prompts_per_step", "num_trajectories_per_prompt"):
+                if getattr(self, name) != getattr(default, name):
+                    raise ConfigError(
+                        f"`{key}.{name}` is {getattr(self, name)}; an eval set has no steps or groups of its own: it "
+                        "scores its first `num_prompts` prompts with `eval.sampling.n` responses each. Remove it."
+                    )
+
+
+FILE_ONLY_KEYS = ("format", "prompt_key", "answer_key", "system_prompt", "max_prompt_length")
+"""``data_source`` keys that only prompts read from ``path`` use."""
 
 
 @dataclass
@@ -221,9 +242,12 @@ class TrainerConfig:
     mini_batch_size: int = 64
     """M: trajectories per training call; each call fetches M // N complete groups."""
     num_nodes: int = 1
-    """Nodes in the resident training pool."""
+    """Nodes in the resident training pool: the CLI's ``trainer.num_nodes`` is Lightning's too; a
+    Trainer or Fabric of one's own takes its own, and ``plan``/``simulate`` size the pool with this."""
     num_gpus_per_node: int = 8
-    """Training GPUs per node (on CPU: trainer processes per node)."""
+    """Training GPUs per node: on GPUs the SGLang and vLLM servers take the GPUs after these (none
+    when colocated), and ``plan``/``simulate`` size the pool with it; the trainer's own processes are
+    Lightning's ``devices``."""
     save_freq: int = 0
     """Save a checkpoint every this many rollout steps; 0 saves none periodically."""
     save_keep_last: Optional[int] = 3
@@ -424,7 +448,9 @@ class RolloutConfig:
     """``rollout.*``: the rollout pool and step-boundary behaviour (docs/contract.md §1)."""
 
     num_gpus_per_node: int = 8
-    """GPUs per node in the resident rollout pool."""
+    """GPUs per node in the resident rollout pool: ``rollout.backend: sglang`` places its replicas on
+    them (``sglang_replicas``), and ``plan``/``simulate`` size the pool with it; the embedded and vLLM
+    engines run one replica per ``FullyAsyncStrategy(rollout_replicas=...)`` instead."""
     sglang_replicas: dict[str, SGLangReplicaConfig] = field(
         default_factory=lambda: {"regular": SGLangReplicaConfig()}
     )
@@ -989,7 +1015,8 @@ class FasyncConfig:
     data_source: DataSourceConfig = field(default_factory=DataSourceConfig)
     """The data source (B and N)."""
     data_sources: Optional[list[DataSourceConfig]] = None
-    """The data sources actually used; None means [data_source]. Exactly one is supported."""
+    """The data sources actually used; None means [data_source]. Exactly one is supported; given, it
+    replaces ``data_source``, which must then be left unset."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """RL trainer batch shape and resources."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

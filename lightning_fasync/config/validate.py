@@ -11,7 +11,7 @@ import importlib
 import warnings
 from typing import Sequence
 
-from lightning_fasync.config.schema import FasyncConfig, SGLangArgs, VLLMArgs
+from lightning_fasync.config.schema import DataSourceConfig, FasyncConfig, SGLangArgs, VLLMArgs
 from lightning_fasync.errors import ConfigError, ConfigWarning
 from lightning_fasync.registry import ENGINE_BACKENDS, WEIGHT_PATHS, WINDOWS, weight_sync_choices
 
@@ -140,6 +140,13 @@ def validate(cfg: FasyncConfig) -> FasyncConfig:
         raise ConfigError(
             f"`data_sources` lists {len(sources)} sources; lightning-fasync reads exactly one data source "
             "(B, N, prompts and reward all come from it)."
+        )
+    if cfg.data_sources is not None and cfg.data_source not in (DataSourceConfig(), sources[0]):
+        differs = next(f.name for f in dataclasses.fields(DataSourceConfig)
+                       if getattr(cfg.data_source, f.name) != getattr(sources[0], f.name))
+        raise ConfigError(
+            f"`data_source.{differs}` is {getattr(cfg.data_source, differs)!r} but `data_sources[0].{differs}` is "
+            f"{getattr(sources[0], differs)!r}; `data_sources` replaces `data_source`, so give the source in one of them."
         )
     cfg.rollout.check()
     B, N, M = cfg.B, cfg.N, cfg.M

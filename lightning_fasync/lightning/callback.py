@@ -77,9 +77,11 @@ def _refuse_sharded(strategy: Any) -> None:
         )
 
 
-def _check_fit_arguments(trainer: Any, pl_module: Any, calls_per_step: int) -> None:
-    """Refuse, before anything starts, a ``max_steps`` that ends inside a rollout step, gradient
-    accumulation over training calls, and a fit without the rollout dataloader."""
+def _check_fit_arguments(trainer: Any, pl_module: Any, calls_per_step: int, rollout_steps: Optional[int] = None) -> None:
+    """Refuse, before anything starts, a ``max_steps`` that ends inside a rollout step or disagrees with
+    the config's ``trainer.rollout_steps`` (under a plain Trainer ``max_steps`` decides, so a different
+    value there would be ignored), gradient accumulation over training calls, and a fit without the
+    rollout dataloader."""
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     if accumulate != 1:
         raise ConfigError(
@@ -94,6 +96,12 @@ def _check_fit_arguments(trainer: Any, pl_module: Any, calls_per_step: int) -> N
             f"`max_steps` is {max_steps}, which ends inside a rollout step: each rollout step is (B × N) // M = "
             f"{calls_per_step} training calls, so give a multiple of {calls_per_step} (e.g. {whole} for "
             f"{whole // calls_per_step} rollout steps)."
+        )
+    if rollout_steps is not None and max_steps != rollout_steps * calls_per_step:
+        raise ConfigError(
+            f"`trainer.rollout_steps` is {rollout_steps} ({rollout_steps * calls_per_step} training calls) but the "
+            f"Trainer's `max_steps` is {max_steps}; under a Trainer of one's own, max_steps ends the run: pass "
+            f"Trainer(max_steps={rollout_steps * calls_per_step}) or leave `trainer.rollout_steps` unset."
         )
     source = getattr(getattr(trainer, "fit_loop", None), "_data_source", None)
     if source is not None and callable(getattr(source, "is_defined", None)) and not source.is_defined():
@@ -202,7 +210,7 @@ class FullyAsyncCallback(DriverHooks, ModelCheckpoint):
         _refuse_sharded(trainer.strategy)
         hooks = require_hooks(pl_module, "FullyAsyncCallback")
         hooks.check_fasync_config(cfg)
-        _check_fit_arguments(trainer, pl_module, cfg.minibatches_per_step)
+        _check_fit_arguments(trainer, pl_module, cfg.minibatches_per_step, cfg.trainer.rollout_steps)
         self._trainer, self._hooks = trainer, hooks
         # Colocate time-shares every core between the phases; fully-async splits them.
         colocate = not cfg.fully_async.enable

@@ -187,7 +187,8 @@ class FullyAsyncFabricLoop(DriverHooks):
 
         Raises:
             ConfigError: M // N groups per training call cannot be shared evenly by the
-                data-parallel ranks, or ``state`` was saved by a run this one cannot continue.
+                data-parallel ranks, ``rollout_steps`` differs from the config's ``trainer.rollout_steps``,
+                or ``state`` was saved by a run this one cannot continue.
             Preempted: SIGTERM or SIGINT (on any rank) ended the run after a checkpoint.
             PipelineError: on a rank other than 0, rank 0 failed (its error is named).
         """
@@ -196,6 +197,11 @@ class FullyAsyncFabricLoop(DriverHooks):
         hooks.check_fasync_config(cfg)
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ConfigError(f"`gradient_clip_val` is {gradient_clip_val}; it must be > 0 (None: no clipping).")
+        if cfg.trainer.rollout_steps is not None and cfg.trainer.rollout_steps != rollout_steps:
+            raise ConfigError(
+                f"`trainer.rollout_steps` is {cfg.trainer.rollout_steps} but fit() got rollout_steps={rollout_steps}; "
+                "the loop runs what fit() is given: pass the same number or leave `trainer.rollout_steps` unset."
+            )
         if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
             raise TypeError(f"`lr_scheduler` is a {type(lr_scheduler).__name__}, which has no step(); pass a "
                             "torch.optim.lr_scheduler scheduler of the optimizer.")

@@ -205,7 +205,12 @@ def run_identity(cfg: FasyncConfig, model: Any = None) -> dict[str, Any]:
     (parameter names and global shapes: a module whose state dict holds shards, as
     ``MegatronPolicyModule``'s, says them with ``policy_shapes()``)."""
     config: dict[str, Any] = {}
-    _flatten("", asdict(cfg), config)
+    settings = asdict(cfg)
+    # The source the run reads, under ``data_source.*`` either way it was given, so that
+    # ACCOUNTING_KEYS compare it (``data_sources``, a list, would be one opaque value).
+    settings["data_source"] = asdict(cfg.sources[0]) if cfg.sources else settings["data_source"]
+    settings.pop("data_sources", None)
+    _flatten("", settings, config)
     shape = None
     if model is not None and callable(getattr(model, "policy_shapes", None)):
         shape = model.policy_shapes()

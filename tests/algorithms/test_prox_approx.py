@@ -41,13 +41,13 @@ def _inputs(seed=0, B=6, T=9, max_lag=3, step=5):
 
 def test_on_policy_tokens_take_the_engines_log_probs_and_a_steps_first_call_the_policys():
     mu, cur, versions, mask, step = _inputs()
+    on, off = mask & (versions == step), mask & (versions < step)
+    assert on.any() and off.any() and (~mask).any()  # tokens of each kind to check
     for j in range(4):
         out = prox_log_probs_loglinear(mu, cur, versions, mask, step, j, 4)
-        on = mask & (versions == step)
         assert torch.equal(out[on], mu[on])  # lag 0: the engine generated with the step-start weights
         assert torch.equal(out[~mask], cur[~mask])
         if j == 0:  # nothing trained yet in this step: the current weights are the step-start ones
-            off = mask & (versions < step)
             assert torch.allclose(out[off], cur[off], atol=1e-6)
 
 

@@ -123,8 +123,12 @@ def test_mini_batch_not_multiple_of_n_warns():
 
 
 def test_partial_with_mask_is_allowed_and_colocate_baseline_is_valid():
-    validate(fully_async(**{"rollout.partial": True, "rollout.mask_offpolicy_in_partial_rollout": True}))
-    validate(load_config({"colocate": True, "rollout": {"sampler": {"num_oversample": 8}}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # allowed: neither refused nor warned about
+        partial = validate(fully_async(**{"rollout.partial": True, "rollout.mask_offpolicy_in_partial_rollout": True}))
+        colocate = validate(load_config({"colocate": True, "rollout": {"sampler": {"num_oversample": 8}}}))
+    assert partial.fully_async.enable and partial.rollout.partial and partial.rollout.mask_offpolicy_in_partial_rollout
+    assert colocate.colocate and not colocate.fully_async.enable and colocate.rollout.sampler.num_oversample == 8
 
 
 def test_unknown_and_mistyped_keys_name_the_key():
@@ -223,3 +227,37 @@ def test_resume_kv_keep_needs_partial_rollout_and_the_embedded_engine():
         validate(fully_async(**{"rollout.partial": False, "rollout.resume_kv": "keep"}))
     with pytest.raises(ConfigError, match="`rollout.resume_kv` is keep while `rollout.backend` is vllm; .*embedded"):
         validate(fully_async(**{"rollout.partial": True, "rollout.resume_kv": "keep", "rollout.backend": "vllm"}))
+
+
+@pytest.mark.parametrize("key,value", [("format", "parquet"), ("prompt_key", "question"), ("answer_key", "answer"),
+                                       ("system_prompt", "Be brief."), ("max_prompt_length", 100)])
+def test_a_files_only_key_without_a_path_is_refused_for_training_and_eval_sources(key, value):
+    with pytest.raises(ConfigError, match=rf"`data_source.{key}` is {value!r} but `data_source.path` is not set; it "
+                                          "applies only to prompts read from files"):
+        validate(fully_async(**{f"data_source.{key}": value}))
+    with pytest.raises(ConfigError, match=rf"`eval.data_source\[0\].{key}` is {value!r} but "
+                                          r"`eval.data_source\[0\].path` is not set"):
+        validate(fully_async(**{"eval.data_source": [{"name": "held", key: value}]}))
+    # With files it is what it is for.
+    validate(fully_async(**{"data_source.path": "prompts.jsonl", f"data_source.{key}": value,
+                            "data_source.reward": "lightning_fasync.data.rewards:math_reward"}))
+
+
+@pytest.mark.parametrize("key", ["num_prompts_per_step", "num_trajectories_per_prompt"])
+def test_an_eval_set_with_steps_or_groups_of_its_own_is_refused(key):
+    with pytest.raises(ConfigError, match=rf"`eval.data_source\[0\].{key}` is 3; an eval set has no steps or groups "
+                                          r"of its own: it scores its first `num_prompts` prompts with `eval.sampling.n`"):
+        validate(fully_async(**{"eval.data_source": [{"name": "held", key: 3}]}))
+
+
+def test_a_data_source_that_disagrees_with_data_sources_is_refused():
+    src = {"num_prompts_per_step": 4, "num_trajectories_per_prompt": 2}
+    # data_source as the config gives it and data_sources with the same source: nothing is lost.
+    validate(load_config({**fully_async().to_dict(), "data_sources": [src]}))
+    # data_source left at its defaults: data_sources alone gives the source.
+    only = fully_async().to_dict()
+    only.pop("data_source")
+    validate(load_config({**only, "data_sources": [src]}))
+    with pytest.raises(ConfigError, match=r"`data_source.seed` is 7 but `data_sources\[0\].seed` is 1234; "
+                                          r"`data_sources` replaces `data_source`"):
+        validate(load_config({**fully_async(**{"data_source.seed": 7}).to_dict(), "data_sources": [src]}))

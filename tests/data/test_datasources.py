@@ -12,7 +12,9 @@ import shutil
 
 import pytest
 
-pytest.importorskip("datasets")
+from tests.helpers.required import TASKS, require
+
+require(*TASKS, module_level=True)
 
 from lightning_fasync.data.files import FileDataSource, stop_token_ids  # noqa: E402
 from lightning_fasync.errors import ConfigError  # noqa: E402
@@ -307,7 +309,7 @@ def test_stop_token_ids(tiny_tok, char_tok):
 
 @pytest.fixture(scope="module")
 def gym():
-    pytest.importorskip("reasoning_gym")
+    require("reasoning_gym", *TASKS[1:])
     from lightning_fasync.data import gym
 
     return gym

@@ -87,7 +87,7 @@ def test_logprobs_equal_hf_forward(policy, engine, temperature, top_p, top_k):
         assert len(req.output_ids) == 24
         # SGLang 0.5.23's sampler: the temperature-scaled distribution before top-p/top-k (greedy: T=1).
         ref = hf_logprobs(model, req.input_ids, req.output_ids, temperature if temperature > 0 else 1.0)
-        assert max(abs(a - b) for a, b in zip(ref, req.output_logprobs)) <= 1e-4
+        assert max(abs(a - b) for a, b in zip(ref, req.output_logprobs, strict=True)) <= 1e-4
 
 
 def test_original_logprobs_are_raw_at_any_temperature(policy):
@@ -98,9 +98,9 @@ def test_original_logprobs_are_raw_at_any_temperature(policy):
         prompt = ids(tok, "The quick brown fox")
         req = eng.generate(prompt, max_new_tokens=16, temperature=0.7, top_p=0.9, ignore_eos=True)
         ref = hf_logprobs(model, prompt, req.output_ids)
-        assert max(abs(a - b) for a, b in zip(ref, req.output_logprobs)) <= 1e-4
+        assert max(abs(a - b) for a, b in zip(ref, req.output_logprobs, strict=True)) <= 1e-4
         scaled = hf_logprobs(model, prompt, req.output_ids, 0.7)
-        assert max(abs(a - b) for a, b in zip(scaled, req.output_logprobs)) > 1e-2
+        assert max(abs(a - b) for a, b in zip(scaled, req.output_logprobs, strict=True)) > 1e-2
     finally:
         eng.stop()
 
@@ -296,7 +296,7 @@ def test_weight_update_changes_greedy_output_and_version(policy, engine):
     new_model = copy.deepcopy(model)
     new_model.load_state_dict(update, strict=False)
     ref = hf_logprobs(new_model, prompt, after.output_ids)
-    assert max(abs(a - b) for a, b in zip(ref, after.output_logprobs)) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(ref, after.output_logprobs, strict=True)) <= 1e-4
     engine.set_weight_version("7")
     assert set(engine.generate(prompt, max_new_tokens=2).output_versions) == {"7"}
     with pytest.raises(ValueError, match="Unknown parameter"):
@@ -357,7 +357,7 @@ def test_other_architectures_match_hf_forward(family):
         for req, done in reqs:
             assert done.wait(60)
             ref = hf_logprobs(model, req.input_ids, req.output_ids)
-            assert max(abs(a - b) for a, b in zip(ref, req.output_logprobs)) <= 1e-4
+            assert max(abs(a - b) for a, b in zip(ref, req.output_logprobs, strict=True)) <= 1e-4
     finally:
         eng.stop()
 

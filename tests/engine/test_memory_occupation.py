@@ -30,9 +30,9 @@ from lightning_fasync.engine.engine import MEMORY_TAGS, Engine
 from lightning_fasync.fleet.launch import launch_server
 from lightning_fasync.engine.server import build_app
 from tests.helpers.engine import call
+from tests.helpers.required import SGLANG, located
 
-_SPEC = importlib.util.find_spec("sglang")  # locates the package without importing it
-SGLANG_DIR = os.path.dirname(_SPEC.origin) if _SPEC is not None and _SPEC.origin else None
+SGLANG_DIR = located(*SGLANG)  # found without importing it; missing, a failure under LFA_REQUIRE_SGLANG=1
 needs_sglang = pytest.mark.skipif(SGLANG_DIR is None, reason="sglang is not installed (tests/requirements-sglang.txt)")
 PROMPT = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
 

@@ -24,11 +24,9 @@ import pytest
 
 from lightning_fasync.fleet.launch import launch_server
 from tests.engine.test_sglang_differences import parse_metrics
+from tests.helpers.required import SGLANG, require
 
-if importlib.util.find_spec("sglang") is None:
-    if os.environ.get("LFA_REQUIRE_SGLANG") == "1":
-        raise RuntimeError("sglang is not installed; scripts/_env.sh installs tests/requirements-sglang.txt.")
-    pytest.skip("sglang is not installed (tests/requirements-sglang.txt)", allow_module_level=True)
+require(*SGLANG, module_level=True)
 
 pytestmark = pytest.mark.slow
 

@@ -38,8 +38,9 @@ from lightning_fasync.fleet.backends import (
 from lightning_fasync.fleet.client import SGLangClient, server_protocol
 from lightning_fasync.fleet.launch import ServerStartError, free_port
 from tests.helpers.paths import FAKE_SGLANG, HELPERS, REPO
+from tests.helpers.required import RAY, SGLANG, located, require
 
-HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+HAS_SGLANG = located(*SGLANG) is not None  # missing, a failure under LFA_REQUIRE_SGLANG=1
 
 
 def sglang_cfg(**rollout):
@@ -575,7 +576,7 @@ def test_the_qwen3_30b_config_uses_the_sglang_backend_and_validates(fully_async)
 def test_the_qwen3_30b_two_node_overlay_places_its_replicas_with_ray(tiny_dir, monkeypatch):
     """configs/qwen3_30b_a3b/dapo_h20_2node.yaml over the one-node config: fully-async, SGLang replicas
     placed by Ray on the rollout node (one per 4 of its 8 GPUs), weights over the network."""
-    pytest.importorskip("ray")
+    require(*RAY)
     from lightning_fasync.weights.sync import resolve_weight_sync
 
     one = plugin_keys(os.path.join(REPO, "configs", "qwen3_30b_a3b", "dapo_h20_1node.yaml"))

@@ -181,7 +181,7 @@ def test_concurrent_generates_through_the_router(pool, policy):
         with torch.no_grad():
             lp = torch.log_softmax(model(torch.tensor([p + res.output_ids])).logits[0], -1)
         ref = [lp[len(p) - 1 + i, t].item() for i, t in enumerate(res.output_ids)]
-        assert max(abs(a - b) for a, b in zip(ref, res.output_log_probs)) <= 1e-4
+        assert max(abs(a - b) for a, b in zip(ref, res.output_log_probs, strict=True)) <= 1e-4
 
 
 @pytest.mark.slow
@@ -241,7 +241,7 @@ def test_weight_updates_change_output_and_version(pool, policy, tmp_path):
         with torch.no_grad():
             lp = torch.log_softmax(flipped(torch.tensor([prompt + after[0].output_ids])).logits[0], -1)
         ref = [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(after[0].output_ids)]
-        assert max(abs(a - b) for a, b in zip(ref, after[0].output_log_probs)) <= 1e-4
+        assert max(abs(a - b) for a, b in zip(ref, after[0].output_log_probs, strict=True)) <= 1e-4
         # Back to the original weights through shared memory, as a trainer on the same host would.
         await client.update_weights_from_tensor({"lm_head.weight": model.lm_head.weight}, weight_version=2)
         restored = await client.generate(greedy("u2", prompt))

@@ -63,6 +63,17 @@ def test_a_max_steps_that_ends_inside_a_rollout_step_is_refused():
     assert cb.runtime is None  # nothing started
 
 
+def test_a_max_steps_other_than_the_configs_rollout_steps_is_refused_and_an_equal_one_is_not():
+    cb = FullyAsyncCallback({**CONFIG, "trainer": {"mini_batch_size": 4, "rollout_steps": 3}})
+    with pytest.raises(ConfigError, match=r"`trainer.rollout_steps` is 3 \(6 training calls\) but the Trainer's "
+                                          r"`max_steps` is 4; .*Trainer\(max_steps=6\)"):
+        cb.setup(_trainer(4), _Policy(), "fit")
+    assert cb.runtime is None
+    from lightning_fasync.lightning.callback import _check_fit_arguments
+
+    _check_fit_arguments(SimpleNamespace(max_steps=6, accumulate_grad_batches=1), _Policy(), 2, 3)
+
+
 def test_gradient_accumulation_over_training_calls_is_refused():
     cb = FullyAsyncCallback(CONFIG)
     trainer = _trainer(4)
@@ -235,6 +246,11 @@ def test_the_fabric_loop_refuses_a_bad_clip_value_or_scheduler_before_anything_s
     with pytest.raises(TypeError, match=r"`lr_scheduler` is a dict, which has no step\(\)"):
         loop.fit(module, optimizer, 1, lr_scheduler={})
     assert loop.runtime is None
+    steps = FullyAsyncFabricLoop(SimpleNamespace(global_rank=0, world_size=1),
+                                 {**CONFIG, "trainer": {"mini_batch_size": 4, "rollout_steps": 3}}, log_dir="unused")
+    with pytest.raises(ConfigError, match=r"`trainer.rollout_steps` is 3 but fit\(\) got rollout_steps=2"):
+        steps.fit(module, optimizer, 2)
+    assert steps.runtime is None
 
 
 def test_the_policys_own_eos_ends_its_responses(tmp_path):

@@ -28,6 +28,7 @@ import pytest
 from lightning_fasync.pipeline.events import read_jsonl
 from tests.helpers.ledger_audit import last_step, wait_until
 from tests.helpers.paths import FAKE_SGLANG, REPO
+from tests.helpers.required import RAY, require
 
 pytestmark = pytest.mark.slow
 
@@ -36,12 +37,7 @@ STEPS = 3  # the runs that end by themselves; the kill test runs until it is sto
 
 
 def _require_ray():
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        if os.environ.get("LFA_REQUIRE_RAY") == "1":
-            pytest.fail("Ray is not installed, and LFA_REQUIRE_RAY=1 (scripts/test installs tests/requirements-ray.txt).")
-        pytest.skip("Ray is not installed (pip install -r tests/requirements-ray.txt).")
+    require(*RAY)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ is a field list typed by hand.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -21,12 +20,10 @@ import pytest
 
 from lightning_fasync.fleet.launch import launch_server
 from tests.helpers.paths import HELPERS
+from tests.helpers.required import SGLANG, require
 
 
-if importlib.util.find_spec("sglang") is None:
-    if os.environ.get("LFA_REQUIRE_SGLANG") == "1":
-        raise RuntimeError("sglang is not installed; scripts/_env.sh installs tests/requirements-sglang.txt.")
-    pytest.skip("sglang is not installed (tests/requirements-sglang.txt)", allow_module_level=True)
+require(*SGLANG, module_level=True)
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ unpickler and bucket code. What travels is checked tensor by tensor (checksums).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,13 +21,11 @@ from lightning_fasync.fleet.launch import launch_server
 from lightning_fasync.weights.checksum import checksums, compare
 from lightning_fasync.weights.sync import make_weight_sync
 from tests.helpers.paths import HELPERS
+from tests.helpers.required import SGLANG, require
 
 DRIVER = os.path.join(HELPERS, "sglang_weight_driver.py")
 
-if importlib.util.find_spec("sglang") is None:
-    if os.environ.get("LFA_REQUIRE_SGLANG") == "1":
-        raise RuntimeError("sglang is not installed; scripts/_env.sh installs tests/requirements-sglang.txt.")
-    pytest.skip("sglang is not installed (tests/requirements-sglang.txt)", allow_module_level=True)
+require(*SGLANG, module_level=True)
 
 pytestmark = pytest.mark.slow
 

@@ -26,13 +26,19 @@ def test_file_prompts_a_hanging_and_a_raising_reward_and_a_reference_model(tmp_p
            "--data_source.reward=flaky_rewards:hang_or_raise", "--data_source.reward_timeout=1",
            # threads here; tests/pipeline/test_reward_runner.py kills stuck worker processes
            "--data_source.reward_processes=0",
-           "--algorithm.kl_coef=0.05", "--algorithm.reference.model=policy"]
+           "--algorithm.kl_coef=0.05", "--algorithm.reference.model=policy",
+           # The tiny policy earns math rewards of 0 (no advantage, no update): an entropy bonus moves
+           # it off the reference so train/ref_kl has something to measure.
+           "--algorithm.entropy_coef=0.01"]
     out, log_dir = run_fit(cmd, str(tmp_path), REPO, env=env)
     tb = read_scalars(log_dir)
     # The reference model's time, once per step, summed over the step's training calls.
     assert [s for s, _ in tb["timing/teacher"]] == list(range(STEPS))
     assert all(v > 0 for _, v in tb["timing/teacher"])
+    # k3 is never negative; the policy drifts from the frozen reference once it trains.
+    assert [s for s, _ in tb["train/ref_kl"]] == list(range(STEPS))
     assert all(v >= 0 for _, v in tb["train/ref_kl"])
+    assert any(v > 0 for _, v in tb["train/ref_kl"])
     # The hanging reward timed out and the raising one failed: counted, and the run went on.
     assert sum(v for _, v in tb["rollout/reward_timeout"]) >= 1
     assert sum(v for _, v in tb["rollout/reward_failed"]) > sum(v for _, v in tb["rollout/reward_timeout"])

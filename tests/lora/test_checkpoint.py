@@ -84,9 +84,21 @@ def test_a_checkpoint_of_a_module_cast_by_its_precision_loads_into_a_fresh_modul
     """Lightning restores a checkpoint before its precision plugin casts the module (``bf16-true``),
     and export rebuilds the base in the default dtype: the fingerprint is the base's as built."""
     module = RLPolicyModule("tiny", lora=LORA)
+    with torch.no_grad():  # a trained adapter: B off its zero init, so a load that kept a fresh init shows
+        for p in module.policy.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
     module.to(torch.bfloat16)  # what a bf16-true run's module is when it saves
     state = module.state_dict()
+    adapter = {k: v for k, v in state.items() if k != LORA_FINGERPRINT_KEY}
+    assert adapter and all(v.dtype == torch.bfloat16 for v in adapter.values())
     fresh = RLPolicyModule("tiny", lora=LORA)
     fresh.load_state_dict(state)
-    fresh.to(torch.bfloat16)  # and the other order: restored after the cast
-    fresh.load_state_dict(state)
+    loaded = fresh.state_dict()
+    assert set(loaded) == set(state)
+    assert all(torch.equal(loaded[k], v.float()) for k, v in adapter.items())  # into the fresh float32 module
+    cast = RLPolicyModule("tiny", lora=LORA)
+    cast.to(torch.bfloat16)  # and the other order: restored after the cast
+    cast.load_state_dict(state)
+    loaded = cast.state_dict()
+    assert all(loaded[k].dtype == torch.bfloat16 and torch.equal(loaded[k], v) for k, v in adapter.items())

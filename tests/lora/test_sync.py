@@ -247,6 +247,9 @@ def test_the_engines_merge_is_peft_merge_and_the_same_bits_at_any_thread_count()
     weights = module.engine_state_dict()
     deltas = adapter_deltas(weights.config, dict(weights))
     reference = copy.deepcopy(module.policy).merge_and_unload().state_dict()
+    # A delta for every targeted weight (each layer's projections and lm_head), so the loop checks them all.
+    targeted = {n for n in reference if n.endswith(".weight") and n.rsplit(".", 2)[-2] in LORA["target_modules"]}
+    assert deltas and set(deltas) == targeted
     threads = torch.get_num_threads()
     try:
         runs = []

@@ -306,6 +306,11 @@ def test_colocate_rolls_out_the_batch_then_trains(tmp_path, partial, oversample)
         ctl.shutdown()
     assert all(m["rollout/consumed_groups"] == cfg.B for _, m in results)
     events = read_jsonl(os.path.join(tmp_path, "events.jsonl"))
+    # The events the check below relies on were logged: each step's groups consumed, a rollout phase paused.
+    names = [e["event"] for e in events]
+    assert names.count("consume") == 3 * cfg.B
+    assert names.count("pause") >= 3 and names.count("resume") >= 2
+    assert names.count("dispatch") >= 3 * cfg.B
     # Nothing is dispatched between a pause and the next resume: training never overlaps rollout.
     paused = False
     for e in events:

@@ -173,6 +173,13 @@ def test_resume_refuses_an_accounting_change_and_warns_about_the_rest():
     with pytest.warns(UserWarning, match=r"model\.lr: 0\.001 -> 0\.0005"):
         check_hparams({"lr": 1e-3, "model": "tiny"}, {"lr": 5e-4, "model": "tiny"}, "ck")
     check_resume(None, saved, "ck")  # an older checkpoint without identity is not checked
+    # A source given as `data_sources` is the one compared, under the same keys.
+    listed = run_identity(load_config({"data_sources": [{"num_prompts_per_step": 8}]}))
+    assert listed["config"]["data_source.num_prompts_per_step"] == 8 and "data_sources" not in listed["config"]
+    with pytest.raises(ConfigError, match=r"^`data_source\.num_prompts_per_step` is 8 but the checkpoint ck was saved "
+                                          r"with 64"):
+        check_resume(saved, listed, "ck")
+    check_resume(run_identity(load_config({"data_source": {"num_prompts_per_step": 8}})), listed, "ck")
     small, big = torch.nn.Linear(2, 2), torch.nn.Linear(2, 3)
     with pytest.raises(ConfigError, match="`model.model` builds a policy whose shape differs"):
         check_resume(run_identity(load_config({}), small), run_identity(load_config({}), big), "ck")

@@ -15,6 +15,7 @@ from lightning_fasync.lightning.batch import (PolicyBatch, check_packed_attentio
 from lightning_fasync.lightning.module import RLPolicyModule, token_log_probs
 from lightning_fasync.runtime.packing import balanced_equal_count, first_fit_decreasing, padded_cost, split_to
 from lightning_fasync.runtime.ranks import dp_share, group_tokens
+from tests.helpers.required import MEGATRON, require
 from tests.trainer_packing.calls import make_groups
 
 PAD = 0
@@ -225,7 +226,7 @@ def test_packing_an_attention_transformers_does_not_keep_apart_is_refused():
 
 
 def test_megatron_refuses_packing_and_a_token_budget():
-    pytest.importorskip("megatron.core")
+    require(*MEGATRON)
     from lightning_fasync.trainers.megatron.module import MegatronPolicyModule
 
     with pytest.raises(ConfigError, match=r"`trainer.pack_sequences` is true under MegatronStrategy"):

@@ -12,13 +12,12 @@ from __future__ import annotations
 import ast
 import asyncio
 import hashlib
-import importlib.util
 import json
 import os
 import typing
 import urllib.error
 import urllib.request
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -37,17 +36,11 @@ from lightning_fasync.weights.checksum import (
     overall_checksum,
     tensor_checksum,
 )
+from tests.helpers.required import SGLANG, located
 from tests.helpers.sglang_driver import dataclass_fields
 
 
-def _sglang_dir() -> Optional[str]:
-    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
-    return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
-
-
-SGLANG_DIR = _sglang_dir()
-if SGLANG_DIR is None and os.environ.get("LFA_REQUIRE_SGLANG") == "1":
-    raise RuntimeError("sglang is not installed; scripts/_env.sh installs tests/requirements-sglang.txt.")
+SGLANG_DIR = located(*SGLANG)  # found without importing it
 needs_sglang = pytest.mark.skipif(SGLANG_DIR is None, reason="sglang is not installed (tests/requirements-sglang.txt)")
 
 
