@@ -117,7 +117,10 @@ class FullyAsyncConfig:
     enable: bool = False
     """Enable the fully-async pipeline: a background rollout producer, collector and PipelineBuffer."""
     sliding_window: str = "no-window"
-    """Dispatch/collection strategy: no-window, window-gated, windowed-fifo, or a registered name."""
+    """Dispatch/collection strategy: no-window, window-gated, windowed-fifo, or a registered name.
+    Fully-async only: colocate (``fully_async.enable: false``) runs no-window at capacity B +
+    ``rollout.sampler.num_oversample`` whatever this and ``stale_steps`` say, so that one config serves
+    both modes."""
     stale_steps: float = 0.0
     """Extra pipeline capacity in training steps; capacity = int(B * (1 + stale_steps)). Must be >= 0."""
     plugins: list[str] = field(default_factory=list)

@@ -113,7 +113,7 @@ def two_calls(m: RLPolicyModule, seed: int = 0, lr: float = 0.5, step: int = 1,
 def assert_same_calls(got: list[dict[str, Any]], want: list[dict[str, Any]], tol: float = 1e-6) -> None:
     """Loss, every ``train/*`` metric and every gradient tensor within ``tol`` (float32; relative to
     the value's or the tensor's largest magnitude when that is above 1)."""
-    for call, (g, w) in enumerate(zip(got, want)):
+    for call, (g, w) in enumerate(zip(got, want, strict=True)):
         assert abs(g["loss"] - w["loss"]) <= tol * max(1.0, abs(w["loss"])), (call, g["loss"], w["loss"])
         keys = {k for k in w["metrics"] if k.startswith("train/") and k != "train/lr"}
         assert keys == {k for k in g["metrics"] if k.startswith("train/") and k != "train/lr"}

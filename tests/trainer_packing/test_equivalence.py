@@ -61,8 +61,13 @@ def test_packed_and_micro_batched_calls_match_the_padded_call(name, mode):
 def test_partial_rollout_masks_match_the_padded_call():
     """``rollout.mask_offpolicy_in_partial_rollout``: only the newest version's tokens are trained."""
     rollout = {"partial": True, "mask_offpolicy_in_partial_rollout": True}
-    algorithm = {"is_correction": {"enable": True}, "m2po": {"enable": True}}
+    # M2PO's tau as in ALGORITHMS: at its default it masks every token these calls keep (loss 0).
+    algorithm = {"is_correction": {"enable": True}, "m2po": {"enable": True, "tau": 10.0}}
     want = two_calls(module(algorithm, rollout, pack_sequences=False))
+    # Tokens are left to train on, and the older version's are taken out: without the mask the loss differs.
+    assert all(w["loss"] != 0 and any(g.abs().max() > 0 for g in w["grads"].values()) for w in want)
+    unmasked = two_calls(module(algorithm, {"partial": True}, pack_sequences=False))
+    assert all(abs(u["loss"] - w["loss"]) > 1e-3 for u, w in zip(unmasked, want, strict=True))
     for overrides in VARIANTS.values():
         assert_same_calls(two_calls(module(algorithm, rollout, **overrides), like=want), want)
 
