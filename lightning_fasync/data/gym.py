@@ -13,19 +13,27 @@ scores a response with the scorer of the entry's source task::
 
 The model is expected to put its final answer in ``<answer>...</answer>`` tags (reasoning-gym's
 convention, e.g. its ``SYSTEM_PROMPTS["default"]``); a response without tags is scored whole.
+
+The answer is the policy's text, and some of reasoning-gym's scorers run it as code in the process
+that scores: Python's ``eval`` (``EVAL_SCORED``) or sympy's ``parse_expr``, itself an ``eval``
+(``SYMPY_SCORED``). :func:`gym_reward` hands those scorers only answers that cannot run anything
+(:func:`screen_answer`: literals only for ``eval``; numbers, operators and math names for sympy),
+scores any other answer 0, and gives no scorer more than ``MAX_ANSWER_CHARS`` characters.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import json
+import re
 from typing import Any, Callable, Optional
 
 from lightning_fasync.data.files import Prompt, chat_messages, check_identity, keep_short, render_prompt
 from lightning_fasync.pipeline.datasource import ListDataSource
 from lightning_fasync.types import PromptSample, Trajectory
 
-__all__ = ["ReasoningGymDataSource", "gym_reward"]
+__all__ = ["ReasoningGymDataSource", "gym_reward", "screen_answer"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -114,6 +122,82 @@ def _scorer(name: str, task_args_json: str) -> Callable[[Optional[str], dict[str
     return reasoning_gym.create_dataset(name, size=1, seed=0, **json.loads(task_args_json)).score_answer
 
 
+MAX_ANSWER_CHARS = 2000
+"""Longest answer a scorer is given (longer ones score 0): the answers these tasks ask for are short,
+and a scorer's parse of a policy's 100 KB of text would hold the reward's worker."""
+
+EVAL_SCORED = frozenset({"binary_matrix", "n_queens", "spiral_matrix", "string_insertion"})
+"""reasoning-gym 0.1.25 tasks whose ``score_answer`` passes the answer to Python's ``eval``."""
+
+SYMPY_SCORED = frozenset({"countdown", "intermediate_integration", "polynomial_multiplication", "puzzle24",
+                          "simple_integration"})
+"""reasoning-gym 0.1.25 tasks whose ``score_answer`` passes the answer to sympy's ``parse_expr``."""
+
+_MATH_NAMES = frozenset({
+    "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "sinh", "cosh", "tanh", "exp", "log",
+    "ln", "sqrt", "abs", "Abs", "pi", "E", "I", "oo", "C",
+})
+_SYMPY_CHARS = re.compile(r"[0-9A-Za-z+\-*/^().,!\s]*")
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+_POWER = re.compile(r"(\*\*|\^)\s*\(?\s*([0-9.]+)")
+_MAX_EXPONENT = 64
+
+
+def _is_literal(node: ast.AST) -> bool:
+    """A constant, a bare name (``AACBCC``: looked up, never called) or lists and tuples of them."""
+    if isinstance(node, ast.Name):
+        return True
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float, str)) and not isinstance(node.value, bool)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return all(_is_literal(e) for e in node.elts)
+    return isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and _is_literal(node.operand)
+
+
+def screen_answer(task: str, answer: str) -> bool:
+    """Whether ``task``'s scorer may be given ``answer``: for the ``EVAL_SCORED`` tasks, text that
+    is not Python (``eval`` fails on it) or is a literal (numbers, strings, lists, tuples: nothing
+    to call, nothing to multiply out); for the ``SYMPY_SCORED`` ones, digits, operators, brackets
+    and names that are single letters or math functions (no quotes, underscores, attribute dots
+    or calls to anything else), with no exponent above 64; any answer of another task. Answers
+    longer than ``MAX_ANSWER_CHARS`` never pass."""
+    if len(answer) > MAX_ANSWER_CHARS:
+        return False
+    if task in EVAL_SCORED:
+        try:
+            tree = ast.parse(answer.strip(), mode="eval")
+        except (SyntaxError, ValueError):
+            return True
+        return _is_literal(tree.body)
+    if task in SYMPY_SCORED:
+        if not _SYMPY_CHARS.fullmatch(answer):
+            return False
+        if any(len(name) > 1 and name not in _MATH_NAMES for name in _NAME.findall(answer)):
+            return False
+        return _bounded_powers(answer)
+    return True
+
+
+def _bounded_powers(answer: str) -> bool:
+    """No exponent above ``_MAX_EXPONENT``, none bracketed or itself raised (``9**9**9``), and no
+    power of a bracketed expression that holds a power (``((10**64)**64)**64``): what sympy would
+    multiply out stays small."""
+    if re.search(r"(\*\*|\^)\s*\(", answer) or re.search(r"(\*\*|\^)\s*[\w.]+\s*(\*\*|\^)", answer):
+        return False
+    if any(float(exp) > _MAX_EXPONENT for _, exp in _POWER.findall(answer) if exp.count(".") <= 1):
+        return False
+    for power in re.finditer(r"\)\s*(\*\*|\^)", answer):
+        depth, i = 0, power.start()
+        while i >= 0:  # back to the bracket this one closes
+            depth += {")": 1, "(": -1}.get(answer[i], 0)
+            if depth == 0:
+                break
+            i -= 1
+        if "**" in answer[i : power.start()] or "^" in answer[i : power.start()]:
+            return False
+    return True
+
+
 def gym_reward(sample: PromptSample, trajectory: Trajectory) -> float:
     """Score a response with reasoning-gym's scorer for the sample's entry.
 
@@ -138,6 +222,9 @@ def gym_reward(sample: PromptSample, trajectory: Trajectory) -> float:
     task = meta["gym_task"]
     source = (entry.get("metadata") or {}).get("source_dataset") or task
     task_args = (meta.get("gym_task_args") or {}) if source == task else {}
-    answer = extract_answer(text)
-    score = _scorer(source, json.dumps(task_args, sort_keys=True))(text.strip() if answer is None else answer, entry)
+    answer = extract_answer(text[-4 * MAX_ANSWER_CHARS :])  # the last tags; an answer past the cap scores 0 anyway
+    answer = text.strip() if answer is None else answer
+    if not screen_answer(source, answer):
+        return 0.0
+    score = _scorer(source, json.dumps(task_args, sort_keys=True))(answer, entry)
     return min(1.0, max(0.0, float(score)))

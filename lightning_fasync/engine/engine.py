@@ -593,9 +593,11 @@ class Engine:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
+            started = not fut.cancel()  # one not yet started never runs: its caller was told it failed
             raise TimeoutError(
                 f"The engine thread did not run a control operation within {timeout} s "
-                "(a decode step is stuck or the engine died)."
+                "(a decode step is stuck or the engine died); "
+                + ("it had started and runs to its end." if started else "it will not run.")
             ) from None
 
     def _dead_message(self) -> str:
@@ -614,6 +616,8 @@ class Engine:
                         break
                     ops, self._ops = self._ops, []
                 for fn, fut in ops:
+                    if not fut.set_running_or_notify_cancel():
+                        continue  # its caller timed out waiting and was told it will not run
                     try:
                         fut.set_result(fn())
                     except Exception as exc:  # handed to the caller, who re-raises it
@@ -985,7 +989,8 @@ class Engine:
             pending, self._waiting = self._waiting, []
             ops, self._ops = self._ops, []
         for _, fut in ops:
-            fut.set_exception(error)
+            if not fut.cancelled():
+                fut.set_exception(error)
         for req in pending + list(self._running):
             self._finish(req, {"type": "abort", "message": str(error), "status_code": 503}, error)
 

@@ -20,6 +20,10 @@ from typing import Any, Callable, Optional
 
 from lightning_fasync.engine.engine import EngineRequest
 
+MAX_N = 4096
+"""Most samples one request may ask for (``sampling_params.n``): each is a request of its own, made
+before any runs, so a request body of a few bytes must not ask for millions."""
+
 
 class BadRequest(ValueError):
     """A request the server answers with 400."""
@@ -273,8 +277,8 @@ def parse_sampling(sp: Any, where: str = "sampling_params") -> tuple[dict[str, A
     if sp.get("custom_params") is not None and not isinstance(sp["custom_params"], dict):
         raise BadRequest(f"`{p}custom_params` must be an object.")
     n = opt(sp, "n", int, 1, p)
-    if n < 1:
-        raise BadRequest(f"`{p}n` must be at least 1, got {n}.")
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"`{p}n` must be in [1, {MAX_N}], got {n}.")
     stream_interval = opt(sp, "stream_interval", int, 1, p)
     if stream_interval < 1:
         raise BadRequest(f"`{p}stream_interval` must be at least 1, got {stream_interval}.")

@@ -186,6 +186,9 @@ class RolloutPool:
                     handle.stop()
                     return None
                 version = asyncio.run(self._join(handle.url))
+                if should_stop():  # the run ended while it joined: not put back under a stopping pool
+                    handle.stop()
+                    return None
                 self.router_add(handle.url)
                 self.workers.add(handle.url)
             return version

@@ -29,6 +29,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -113,6 +114,12 @@ class EngineSupervisor:
         for t in [thread, *self._workers]:
             if t is not None and t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in [thread, *self._workers] if t is not None and t.is_alive()
+                 and t is not threading.current_thread()]
+        if alive:  # a restart still joining (its weight push is bounded by its own timeouts)
+            warnings.warn(f"The engine supervisor's threads {', '.join(alive)} did not stop within {timeout:g} s; the "
+                          "pool stops its processes under them, and a replica they were restarting is not put back.",
+                          stacklevel=2)
 
     def metrics(self) -> dict[str, float]:
         """``rollout/engines_live`` and the restart counts so far (read on the main thread)."""

@@ -12,6 +12,7 @@ Errors in the thread are stored in the state and re-raised on the main thread (t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from typing import Any, Coroutine, Optional
 
@@ -177,9 +178,9 @@ class RolloutProducer:
         future = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result(timeout)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError only from Python 3.11
             future.cancel()
-            raise PipelineError(f"An engine call on the producer loop did not return within {timeout:.0f} s.") from None
+            raise PipelineError(f"An engine call on the producer loop did not return within {timeout:g} s.") from None
 
     # ------------------------------------------------------------------ step boundary
 

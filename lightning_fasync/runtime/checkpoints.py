@@ -125,7 +125,10 @@ class CheckpointFiles:
             if is_writer and os.path.lexists(tmp):
                 _remove(tmp)
             cause = errno.errorcode.get(exc.errno, "") if exc.errno else ""
-            previous = self.last()
+            try:
+                previous = self.last()
+            except CheckpointError:  # a link left broken by someone else: the save's own error is the one to tell
+                previous = None
             raise CheckpointError(
                 f"Saving the step-{step} checkpoint to {final} failed: {exc.strerror or exc}"
                 + (f" ({cause})" if cause else "") + ". "
@@ -137,13 +140,28 @@ class CheckpointFiles:
         return final
 
     def last(self) -> Optional[str]:
-        """The checkpoint ``last.ckpt`` points to, or None."""
+        """The checkpoint ``last.ckpt`` points to, or None.
+
+        Raises:
+            CheckpointError: the link or the pointer file names something outside the directory
+                or not a step checkpoint (they are written here with a step file's name).
+        """
         link = os.path.join(self.directory, LAST)
         if os.path.islink(link) or os.path.isfile(link):
-            return os.path.realpath(link) if os.path.exists(link) else None
+            if not os.path.exists(link):
+                return None
+            target = os.path.realpath(link)
+            if os.path.islink(link) and os.path.dirname(target) != os.path.realpath(self.directory):
+                raise CheckpointError(f"{link} points to {target}, outside {self.directory}; remove it or point it at a "
+                                      "checkpoint of this directory.")
+            return target
         pointer = os.path.join(self.directory, POINTER)
         if os.path.isfile(pointer):
-            target = os.path.join(self.directory, open(pointer).read().strip())
+            name = open(pointer).read(4096).strip()
+            if os.path.basename(name) != name or not _STEP_FILE.match(name):
+                raise CheckpointError(f"{pointer} names {name[:200]!r}, which is not a step checkpoint's file name "
+                                      "(step-<N>.ckpt) in its directory; remove it or write one there.")
+            target = os.path.join(self.directory, name)
             return target if os.path.exists(target) else None
         return None
 

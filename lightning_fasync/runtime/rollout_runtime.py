@@ -15,7 +15,7 @@ import inspect
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -464,8 +464,7 @@ class RolloutRuntime:
         controller = getattr(self, "controller", None)
         step = controller.state.rollout_step if controller is not None else None
         # The pool's lock: a replica restarting meanwhile joins before or after this version, whole.
-        lock = self.pool.sync_lock if self.pool is not None else contextlib.nullcontext()
-        with lock:
+        with self._pool_lock(f"The weight sync of step {step}"):
             try:
                 asyncio.run(asyncio.wait_for(self._push(tensors, version, step), self.admin_timeout))
             except asyncio.TimeoutError:
@@ -473,6 +472,24 @@ class RolloutRuntime:
                     f"The weight sync of step {step} to the engines took longer than {self.admin_timeout:.0f} s "
                     "(the driver's admin_timeout)."
                 ) from None
+
+    @contextlib.contextmanager
+    def _pool_lock(self, what: str) -> Iterator[None]:
+        """The engine pool's ``sync_lock`` (none without a pool of ours), waited for at most
+        ``admin_timeout``: a replica or router restart holds it while it joins."""
+        lock = self.pool.sync_lock if self.pool is not None else None
+        if lock is None:
+            yield
+            return
+        if not lock.acquire(timeout=self.admin_timeout):
+            raise PipelineError(
+                f"{what} waited {self.admin_timeout:g} s (the driver's admin_timeout) for the engine pool's sync lock, "
+                "which a replica or router restart holds while it joins."
+            )
+        try:
+            yield
+        finally:
+            lock.release()
 
     async def _push(self, tensors: Mapping[str, torch.Tensor] | TensorStream, version: int, step: Optional[int]) -> None:
         sync = self._weight_sync()
@@ -560,8 +577,7 @@ class RolloutRuntime:
                     await client.close()
 
         # The pool's lock, as a weight sync: a replica restarting meanwhile joins in the state the others are in.
-        lock = self.pool.sync_lock if self.pool is not None else contextlib.nullcontext()
-        with lock:
+        with self._pool_lock(f"/{action}_memory_occupation {tags}"):
             try:
                 asyncio.run(asyncio.wait_for(call(), self.admin_timeout))
             except asyncio.TimeoutError:

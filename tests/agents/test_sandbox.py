@@ -13,10 +13,13 @@ import socket
 import threading
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lightning_fasync.agents.sandbox import Sandbox, SandboxLimits
 from lightning_fasync.agents.tools import (
-    MAX_BITS, CalculatorError, ToolBox, ToolCall, calculate, format_tool_call, has_tool_call, parse_tool_calls,
+    MAX_BITS, MAX_CALLS_PER_TURN, CalculatorError, ToolBox, ToolCall, _parse_one, calculate, format_tool_call,
+    has_tool_call, parse_tool_calls,
 )
 
 LIMITS = SandboxLimits(cpu_s=1.0, wall_s=3.0, memory_mb=256, file_mb=1, disk_mb=2, max_output=200, max_concurrent=2)
@@ -255,6 +258,27 @@ def test_tool_calls_parse_in_qwens_format():
     assert [c.error for c in bad] == [
         'the tool call needs a "name" string', "the tool call is not valid JSON (Expecting value)",
         'the tool call needs an "arguments" object', "the <tool_call> block is not closed with </tool_call>"]
+
+
+@given(st.lists(st.sampled_from(["<tool_call>", "</tool_call>", '{"name": "calculator"}', "x", "<tool", "\n"]),
+                max_size=30))
+def test_tool_calls_parse_as_the_lazy_regex_reads_them(parts):
+    text = "".join(parts)
+    bodies = re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)
+    calls = parse_tool_calls(text)
+    unclosed = "<tool_call>" in text.rsplit("</tool_call>", 1)[-1]
+    want = [_parse_one(b) for b in bodies][:MAX_CALLS_PER_TURN]
+    assert calls[: len(want)] == want
+    assert len(calls) == len(want) + (unclosed or len(bodies) > MAX_CALLS_PER_TURN)
+
+
+def test_many_tool_calls_and_unclosed_openers_are_bounded():
+    calls = parse_tool_calls(format_tool_call("calculator", {"expression": "1"}) * 40)
+    assert len(calls) == MAX_CALLS_PER_TURN + 1 and all(c.error is None for c in calls[:-1])
+    assert calls[-1].error == f"more than {MAX_CALLS_PER_TURN} tool calls in one turn; the rest were not run"
+    # 20,000 unclosed openers (220 KB): one pass, one error (the lazy regex took seconds on a fifth of it).
+    assert [c.error for c in parse_tool_calls("<tool_call>" * 20_000)] == [
+        "the <tool_call> block is not closed with </tool_call>"]
 
 
 def test_the_toolbox_answers_bad_calls_with_errors(sandbox):

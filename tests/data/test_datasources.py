@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -362,3 +363,66 @@ def test_gym_options_and_errors(gym, tiny_tok, char_tok, capsys):
     state = ds.state_dict()
     with pytest.raises(PipelineError, match="datasource_args"):
         gym.ReasoningGymDataSource("basic_arithmetic", char_tok, size=4, seed=0, shuffle=False).load_state_dict(state)
+
+
+SCREENED = sorted(("eval", t) for t in ("binary_matrix", "n_queens", "spiral_matrix", "string_insertion")) + sorted(
+    ("sympy", t) for t in ("countdown", "intermediate_integration", "polynomial_multiplication", "puzzle24",
+                           "simple_integration"))
+
+
+@pytest.mark.parametrize("kind, task", SCREENED)
+def test_a_gym_answer_that_would_run_as_code_scores_0_and_runs_nothing(gym, char_tok, tmp_path, kind, task):
+    """reasoning-gym scores these tasks' answers with ``eval`` or sympy's ``parse_expr``: the
+    policy's text would run in the scoring process. The reference answers still score 1."""
+    s = gym.ReasoningGymDataSource(task, char_tok, size=3, seed=1).next_sample()
+    assert task in (gym.EVAL_SCORED if kind == "eval" else gym.SYMPY_SCORED)
+    assert _reward(gym, s, f"<answer>{s.metadata['answer']}</answer>") == 1.0
+    canary = tmp_path / "ran"
+    attacks = [f"__import__('os').system('touch {canary}')",
+               f"(__import__('os').system('touch {canary}'))!",  # sympy's factorial notation makes it a call
+               f"eval(chr(95)*2+'import'+chr(95)*2+'(\"os\").system(\"touch {canary}\")')"]
+    for attack in attacks:
+        assert _reward(gym, s, f"<answer>{attack}</answer>") == 0.0, attack
+        assert not canary.exists(), attack
+    # Without the screen the first one runs (reasoning-gym 0.1.25): the screen is what stops it.
+    scorer = gym._scorer(task, "{}")
+    try:
+        scorer(attacks[0], s.metadata["gym_entry"])
+    except Exception:  # noqa: BLE001 - a scorer may raise on what its eval returned
+        pass
+    assert canary.exists()
+
+
+def test_the_screen_lets_math_through_and_stops_code_and_blow_ups(gym):
+    ok = {"countdown": ["(25 - 5) * 4 + 3", "100/4 + 7*2"], "simple_integration": ["x**3/3 + 2*sin(x) + C", "-exp(-X)/2 + C"],
+          "polynomial_multiplication": ["-6*x**4 + 3*x**2 - 7", "x^2 + 1"],
+          "spiral_matrix": ["1 2 3 6 9 8 7 4 5", "[1, 2, 3, -4]"], "n_queens": ["_ Q\nQ _", "[['_', 'Q'], ['Q', '_']]"],
+          "basic_arithmetic": ["open('/etc/passwd')"]}  # a task that compares strings only: anything goes
+    bad = {"countdown": ["9**9**9**9", "2**100000", "2**(3**40)", "((10**64)**64)**64", "open('x')", "x.__class__", "getattr(x, y)",
+                         "chr(95)", "lambda: 1", "1; 2", "a[0]"],
+           "simple_integration": ["exec(x)", "exp(x)__import__", "'x'"],
+           "spiral_matrix": ["[1] * 10**9", "__import__('os')", "[x for x in range(9)]", "print(1)", "{1: 2}"],
+           "string_insertion": ["'a' * 10**9", "list('ab') + f()"]}
+    for task, answers in ok.items():
+        assert all(gym.screen_answer(task, a) for a in answers), task
+    for task, answers in bad.items():
+        assert not any(gym.screen_answer(task, a) for a in answers), [a for a in answers if gym.screen_answer(task, a)]
+    assert not gym.screen_answer("basic_arithmetic", "1" * (gym.MAX_ANSWER_CHARS + 1))
+
+
+def test_every_reasoning_gym_scorer_that_runs_the_answer_is_screened(gym):
+    """A reasoning-gym release that scores another task with eval, exec or sympy's parsers fails
+    here until the task is screened (or read and found to run only its own data)."""
+    import inspect
+
+    from reasoning_gym.factory import DATASETS
+
+    runs_only_its_own_answer = {"number_sorting"}  # eval(entry["answer"]): reasoning-gym's data, not the policy's
+    found = set()
+    for name, (cls, _) in DATASETS.items():
+        source = inspect.getsource(cls.score_answer)
+        if re.search(r"(?<![\w.])eval\(|\bexec\(|parse_expr\(|sympify\(|parse_latex\(|\bS\(", source):
+            found.add(name)
+    assert found, "no reasoning-gym scorer found running its answer: the scan is broken"
+    unscreened = found - gym.EVAL_SCORED - gym.SYMPY_SCORED - runs_only_its_own_answer
+    assert not unscreened, f"reasoning-gym scorers that run the answer and are not screened: {sorted(unscreened)}"

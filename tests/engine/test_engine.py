@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 
@@ -128,11 +129,31 @@ def test_seeded_sampling_is_reproducible_in_any_batch(policy, engine):
     _, tok = policy
     prompt = ids(tok, "seed")
     alone = engine.generate(prompt, max_new_tokens=20, sampling_seed=7, ignore_eos=True).output_ids
-    others = [submit(engine, f"o{i}", prompt, max_new_tokens=20, ignore_eos=True) for i in range(3)]
-    batched = engine.generate(prompt, max_new_tokens=20, sampling_seed=7, ignore_eos=True).output_ids
-    for _, done in others:
-        assert done.wait(30)
+    with recorded_decodes(engine) as batches:
+        # Longer than the seeded request: still decoding when it is admitted.
+        others = [submit(engine, f"o{i}", prompt, max_new_tokens=60, ignore_eos=True) for i in range(3)]
+        batched = engine.generate(prompt, max_new_tokens=20, sampling_seed=7, ignore_eos=True).output_ids
+        for _, done in others:
+            assert done.wait(30)
+    assert max(len(b) for b in batches) == 4  # the seeded request decoded in one batch with the three others
     assert alone == batched
+
+
+@contextlib.contextmanager
+def recorded_decodes(engine):
+    """The positions of each decode step's batch while in the block."""
+    batches: list[list[int]] = []
+    real_decode = engine.runner.decode
+
+    def recording_decode(slots, tokens, positions):
+        batches.append(list(positions))
+        return real_decode(slots, tokens, positions)
+
+    engine.runner.decode = recording_decode
+    try:
+        yield batches
+    finally:
+        engine.runner.decode = real_decode
 
 
 # ----------------------------------------------------------------------------- scheduling
@@ -141,21 +162,14 @@ def test_seeded_sampling_is_reproducible_in_any_batch(policy, engine):
 def test_continuous_batching_respects_max_running(policy):
     model, tok = policy
     eng = Engine(model, max_running_requests=2)
-    batches: list[list[int]] = []
-    real_decode = eng.runner.decode
-
-    def recording_decode(slots, tokens, positions):
-        batches.append(list(positions))
-        return real_decode(slots, tokens, positions)
-
-    eng.runner.decode = recording_decode
     try:
-        prompt = ids(tok, "abc")
-        lengths = [5, 30, 12, 20, 8]
-        reqs = [submit(eng, f"r{i}", prompt, max_new_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
-        for (req, done), n in zip(reqs, lengths):
-            assert done.wait(60)
-            assert len(req.output_ids) == n and req.finish_reason == {"type": "length", "length": n}
+        with recorded_decodes(eng) as batches:
+            prompt = ids(tok, "abc")
+            lengths = [5, 30, 12, 20, 8]
+            reqs = [submit(eng, f"r{i}", prompt, max_new_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
+            for (req, done), n in zip(reqs, lengths):
+                assert done.wait(60)
+                assert len(req.output_ids) == n and req.finish_reason == {"type": "length", "length": n}
     finally:
         eng.stop()
     assert max(len(b) for b in batches) == 2
@@ -385,3 +399,12 @@ def test_a_kv_cache_that_cannot_fit_is_refused_with_the_numbers(policy, monkeypa
         assert usage["weight_bytes"] + usage["kvcache_bytes"] <= 0.4 * (100 * 2**20 + usage["weight_bytes"])
     finally:
         eng.stop()
+
+
+def test_a_control_operation_whose_caller_timed_out_never_runs(engine):
+    ran = []
+    with engine._cond:  # the engine thread cannot take its operations meanwhile
+        with pytest.raises(TimeoutError, match=r"did not run a control operation within 0.2 s .*; it will not run\."):
+            engine._call(lambda: ran.append("late"), timeout=0.2)
+    assert engine._call(lambda: "next") == "next"  # the thread has been through its queue since
+    assert ran == []

@@ -117,6 +117,23 @@ def test_pointer_file_where_links_are_unavailable(tmp_path, monkeypatch):
     assert files.last() == str(tmp_path / "step-000001.ckpt") and load(files.last()) == 1
 
 
+def test_a_link_or_pointer_that_leaves_the_directory_is_refused(tmp_path):
+    ckpts, outside = tmp_path / "ckpts", tmp_path / "elsewhere.ckpt"
+    ckpts.mkdir()
+    outside.write_text("x")
+    files = CheckpointFiles(str(ckpts), keep_last=3)
+    (ckpts / "last.ckpt.path").write_text("../elsewhere.ckpt\n")
+    with pytest.raises(CheckpointError, match=r"names '\.\./elsewhere\.ckpt', which is not a step checkpoint's file name"):
+        files.last()
+    (ckpts / "last.ckpt.path").unlink()
+    os.symlink(str(outside), str(ckpts / "last.ckpt"))
+    with pytest.raises(CheckpointError, match=r"last\.ckpt points to .*elsewhere\.ckpt, outside"):
+        files.last()
+    os.unlink(ckpts / "last.ckpt")
+    files.save(0, saver(0))  # its own link is followed
+    assert files.last() == str(ckpts / "step-000000.ckpt")
+
+
 def test_a_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path):
     files = CheckpointFiles(str(tmp_path), keep_last=3)
     files.save(0, saver(0))
