@@ -133,14 +133,17 @@ SYMPY_SCORED = frozenset({"countdown", "intermediate_integration", "polynomial_m
                           "simple_integration"})
 """reasoning-gym 0.1.25 tasks whose ``score_answer`` passes the answer to sympy's ``parse_expr``."""
 
-_MATH_NAMES = frozenset({
+_MATH_FUNCTIONS = frozenset({
     "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "sinh", "cosh", "tanh", "exp", "log",
-    "ln", "sqrt", "abs", "Abs", "pi", "E", "I", "oo", "C",
+    "ln", "sqrt", "abs", "Abs",
 })
-_SYMPY_CHARS = re.compile(r"[0-9A-Za-z+\-*/^().,!\s]*")
+_MATH_NAMES = _MATH_FUNCTIONS | {"pi", "oo"}
+_SYMPY_CHARS = re.compile(r"[0-9A-Za-z+\-*/^().,\s]*")  # no `!`: sympy reads `n!` as factorial(n)
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+_CALL = re.compile(r"([A-Za-z][A-Za-z0-9]*)\s*\(")
 _POWER = re.compile(r"(\*\*|\^)\s*\(?\s*([0-9.]+)")
 _MAX_EXPONENT = 64
+_MAX_POWERS = 64
 
 
 def _is_literal(node: ast.AST) -> bool:
@@ -158,9 +161,10 @@ def screen_answer(task: str, answer: str) -> bool:
     """Whether ``task``'s scorer may be given ``answer``: for the ``EVAL_SCORED`` tasks, text that
     is not Python (``eval`` fails on it) or is a literal (numbers, strings, lists, tuples: nothing
     to call, nothing to multiply out); for the ``SYMPY_SCORED`` ones, digits, operators, brackets
-    and names that are single letters or math functions (no quotes, underscores, attribute dots
-    or calls to anything else), with no exponent above 64; any answer of another task. Answers
-    longer than ``MAX_ANSWER_CHARS`` never pass."""
+    and names that are single letters or math functions, calling only math functions (no quotes,
+    underscores, attribute dots, factorials or calls to anything else), with no exponent above 64
+    or power towers; any answer of another task. Answers longer than ``MAX_ANSWER_CHARS`` never
+    pass."""
     if len(answer) > MAX_ANSWER_CHARS:
         return False
     if task in EVAL_SCORED:
@@ -174,6 +178,10 @@ def screen_answer(task: str, answer: str) -> bool:
             return False
         if any(len(name) > 1 and name not in _MATH_NAMES for name in _NAME.findall(answer)):
             return False
+        # Only math functions are called: a single letter may be a variable, but sympy's N, S, O and
+        # Q are functions too (``N(pi, 10**8)`` computes 10^8 digits).
+        if any(name not in _MATH_FUNCTIONS for name in _CALL.findall(answer)):
+            return False
         return _bounded_powers(answer)
     return True
 
@@ -182,6 +190,8 @@ def _bounded_powers(answer: str) -> bool:
     """No exponent above ``_MAX_EXPONENT``, none bracketed or itself raised (``9**9**9``), and no
     power of a bracketed expression that holds a power (``((10**64)**64)**64``): what sympy would
     multiply out stays small."""
+    if answer.count("**") + answer.count("^") > _MAX_POWERS:  # each is looked back from once below
+        return False
     if re.search(r"(\*\*|\^)\s*\(", answer) or re.search(r"(\*\*|\^)\s*[\w.]+\s*(\*\*|\^)", answer):
         return False
     if any(float(exp) > _MAX_EXPONENT for _, exp in _POWER.findall(answer) if exp.count(".") <= 1):

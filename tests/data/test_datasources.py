@@ -400,7 +400,8 @@ def test_the_screen_lets_math_through_and_stops_code_and_blow_ups(gym):
           "basic_arithmetic": ["open('/etc/passwd')"]}  # a task that compares strings only: anything goes
     bad = {"countdown": ["9**9**9**9", "2**100000", "2**(3**40)", "((10**64)**64)**64", "open('x')", "x.__class__", "getattr(x, y)",
                          "chr(95)", "lambda: 1", "1; 2", "a[0]"],
-           "simple_integration": ["exec(x)", "exp(x)__import__", "'x'"],
+           "simple_integration": ["exec(x)", "exp(x)__import__", "'x'", "N(pi, 10**8)", "S(x)", "x(1)", "99999!",
+                                  " + ".join(f"x**{i % 9}" for i in range(65))],
            "spiral_matrix": ["[1] * 10**9", "__import__('os')", "[x for x in range(9)]", "print(1)", "{1: 2}"],
            "string_insertion": ["'a' * 10**9", "list('ab') + f()"]}
     for task, answers in ok.items():
