@@ -141,7 +141,7 @@ _MATH_NAMES = _MATH_FUNCTIONS | {"pi", "oo"}
 _SYMPY_CHARS = re.compile(r"[0-9A-Za-z+\-*/^().,\s]*")  # no `!`: sympy reads `n!` as factorial(n)
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 _CALL = re.compile(r"([A-Za-z][A-Za-z0-9]*)\s*\(")
-_POWER = re.compile(r"(\*\*|\^)\s*\(?\s*([0-9.]+)")
+_POWER = re.compile(r"(\*\*|\^)\s*([0-9.]+)")  # a bracketed exponent is refused before this
 _MAX_EXPONENT = 64
 _MAX_POWERS = 64
 
